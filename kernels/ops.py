@@ -1,0 +1,59 @@
+"""Pick a kernel implementation per call: Triton for CUDA tensors, the PyTorch twin otherwise.
+
+`TREESERVE_KERNELS=triton` forces Triton (CPU tests run it under `TRITON_INTERPRET=1`);
+`TREESERVE_KERNELS=reference` forces the twins everywhere (debugging on a GPU).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+# public name -> module that defines both `name` (Triton) and `name_ref` (PyTorch)
+_HOME = {
+    "tree_conv1d": "kernels.conv_tree",
+    "conv_state_commit": "kernels.conv_tree",
+    "conv1d_prefill": "kernels.conv_tree",
+    "tree_ssd_scan": "kernels.ssd_tree",
+    "ssm_state_commit": "kernels.ssm_commit",
+    "ssm_chain_update": "kernels.ssm_decode",
+    "ssd_prefill": "kernels.ssd_prefill",
+    "write_tree_kv": "kernels.tree_attention",
+    "tree_attention": "kernels.tree_attention",
+    "kv_commit": "kernels.tree_attention",
+}
+
+
+def _mode() -> str:
+    return os.environ.get("TREESERVE_KERNELS", "auto")
+
+
+def implementation(name: str, device: torch.device):
+    """The function that runs kernel `name` for tensors on `device`."""
+    module = importlib.import_module(_HOME[name])
+    mode = _mode()
+    use_triton = mode == "triton" or (mode == "auto" and device.type == "cuda")
+    return getattr(module, name if use_triton else f"{name}_ref")
+
+
+def _dispatcher(name: str):
+    def call(*args, **kwargs):
+        first = next(a for a in args if isinstance(a, torch.Tensor))
+        return implementation(name, first.device)(*args, **kwargs)
+
+    call.__name__ = name
+    call.__doc__ = f"Dispatch to `{_HOME[name]}.{name}` (CUDA) or `{name}_ref` (CPU)."
+    return call
+
+
+tree_conv1d = _dispatcher("tree_conv1d")
+conv_state_commit = _dispatcher("conv_state_commit")
+conv1d_prefill = _dispatcher("conv1d_prefill")
+tree_ssd_scan = _dispatcher("tree_ssd_scan")
+ssm_state_commit = _dispatcher("ssm_state_commit")
+ssm_chain_update = _dispatcher("ssm_chain_update")
+ssd_prefill = _dispatcher("ssd_prefill")
+write_tree_kv = _dispatcher("write_tree_kv")
+tree_attention = _dispatcher("tree_attention")
+kv_commit = _dispatcher("kv_commit")

@@ -1,0 +1,134 @@
+"""Sampling: the logits transform shared by target and drafter, and counter-based randomness.
+
+Randomness is a pure function of (seed, absolute position, stream, index), computed with integer
+hashing on the tensors' own device. Two consequences the product relies on:
+- the target's sample at position t does not depend on how many tree nodes were verified with it,
+  so sampled speculative output equals sampled plain decoding with the same seed, token for token;
+- CPU and GPU draw identical random numbers (integer arithmetic is exact everywhere).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Streams keep the random numbers of different uses independent.
+STREAM_TARGET = 0  # the target's per-node sample
+STREAM_ACCEPT = 1  # multi-draft acceptance uniforms
+STREAM_RESIDUAL = 2  # sample from the residual distribution after all children are rejected
+STREAM_DRAFT = 3  # the drafter's Gumbel-top-k draws
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(v: int) -> int:
+    v &= _MASK64
+    return v - (1 << 64) if v >= (1 << 63) else v
+
+
+_M1 = _signed(0xBF58476D1CE4E5B9)
+_M2 = _signed(0x94D049BB133111EB)
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0 = greedy. top_k 0 = off. top_p 0 or 1 = off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 0.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def validate(self) -> "Sampling":
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+        return self
+
+    @classmethod
+    def from_proto(cls, msg) -> "Sampling":
+        return cls(float(msg.temperature), int(msg.top_k), float(msg.top_p), int(msg.seed)).validate()
+
+    def to_proto(self):
+        from treeserve.v1 import treeserve_pb2 as pb
+
+        return pb.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
+
+
+def transform(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k, then top-p.
+    Greedy settings give a one-hot at the argmax (ties: lowest index, like torch.argmax)."""
+    logits = logits.float()
+    if s.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / s.temperature
+    if 0 < s.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if 0.0 < s.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it < top_p
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        keep_sorted = before < s.top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser on int64 tensors (wrapping arithmetic, logical shifts)."""
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * _M1
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * _M2
+    x = x ^ ((x >> 31) & ((1 << 33) - 1))
+    return x
+
+
+def _hash(seed: int, positions: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
+    """int64 hash of (seed, position, stream, index); positions and index broadcast."""
+    key = _mix(torch.full_like(positions, _signed(seed * 4 + stream)) + _GOLDEN)
+    x = _mix(key ^ (positions * _GOLDEN))
+    return _mix(x + index * _M1)
+
+
+def uniforms(seed: int, positions: torch.Tensor, stream: int, index: torch.Tensor | int = 0) -> torch.Tensor:
+    """Uniform floats in (0, 1), shape of `positions` broadcast with `index` (both int64)."""
+    positions = positions.long()
+    if not isinstance(index, torch.Tensor):
+        index = torch.full_like(positions, int(index))
+    h = _hash(seed, positions, stream, index.long())
+    top24 = (h >> 40) & ((1 << 24) - 1)
+    return (top24.double() + 0.5) / float(1 << 24)
+
+
+def gumbel(seed: int, positions: torch.Tensor, vocab: int, stream: int) -> torch.Tensor:
+    """(T, V) Gumbel noise for T positions (float32)."""
+    idx = torch.arange(vocab, device=positions.device, dtype=torch.long)[None, :]
+    u = uniforms(seed, positions.long()[:, None], stream, idx)
+    return (-torch.log(-torch.log(u))).float()
+
+
+def sample(probs: torch.Tensor, seed: int, positions: torch.Tensor, stream: int = STREAM_TARGET) -> torch.Tensor:
+    """(T, V) probabilities -> (T,) tokens by Gumbel-max with counter-based noise at `positions`."""
+    g = gumbel(seed, positions, probs.shape[-1], stream)
+    scores = torch.log(probs.float()) + g.to(probs.device)
+    return scores.argmax(-1)
+
+
+def choose(logits: torch.Tensor, s: Sampling, positions: torch.Tensor) -> torch.Tensor:
+    """The target's token at each of T positions: argmax when greedy, else the seeded sample.
+    logits (T, V); positions (T,) absolute positions of the tokens being chosen."""
+    if s.greedy:
+        return logits.argmax(-1)
+    return sample(transform(logits, s), s.seed, positions, STREAM_TARGET)

@@ -1,0 +1,173 @@
+"""Conventions every treeserve gRPC server follows: health checking, reflection, status codes from
+exceptions, optional bearer-token auth, deadlines, Prometheus metrics, graceful shutdown."""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import signal
+import threading
+from concurrent import futures
+from typing import Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from treeserve.errors import status_of
+from treeserve.v1 import treeserve_pb2 as pb
+
+log = logging.getLogger("treeserve.server")
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+GRACE_SECONDS = 5.0
+
+
+def grpc_errors(method: Callable) -> Callable:
+    """Servicer-method decorator: exceptions become gRPC statuses (ServeError -> its code,
+    TreeError -> INVALID_ARGUMENT, anything else -> INTERNAL, logged). Works for unary and
+    streaming (generator) methods."""
+
+    def _abort(context, exc):
+        code, message = status_of(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("%s failed", method.__qualname__)
+        context.abort(code, message)
+
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def stream(self, request, context):
+            try:
+                yield from method(self, request, context)
+            except Exception as exc:  # noqa: BLE001 - the boundary: every error becomes a status
+                _abort(context, exc)
+
+        return stream
+
+    @functools.wraps(method)
+    def unary(self, request, context):
+        try:
+            return method(self, request, context)
+        except Exception as exc:  # noqa: BLE001
+            _abort(context, exc)
+
+    return unary
+
+
+class BearerTokenAuth(grpc.ServerInterceptor):
+    """Refuse calls without `authorization: Bearer <token>` (UNAUTHENTICATED). Health checks pass."""
+
+    def __init__(self, token: str):
+        self._token = token
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith("/grpc.health."):
+            return continuation(handler_call_details)
+        meta = dict(handler_call_details.invocation_metadata or ())
+        if meta.get("authorization") != f"Bearer {self._token}":
+            return self._deny
+        return continuation(handler_call_details)
+
+
+class Server:
+    """A gRPC server with health and reflection. Register servicers, then `start()`;
+    `wait()` blocks until SIGTERM/SIGINT (or `stop()`), then drains for GRACE_SECONDS."""
+
+    def __init__(self, address: str, max_workers: int = 32, auth_token: str | None = None):
+        interceptors = [BearerTokenAuth(auth_token)] if auth_token else []
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers),
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self._names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+        self.port = self._server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"could not bind {address}")
+        self._stopped = threading.Event()
+
+    def add(self, register: Callable, servicer, service_name: str) -> "Server":
+        """register: the generated add_XServicer_to_server; service_name: e.g. 'Verifier'."""
+        register(servicer, self._server)
+        full = pb.DESCRIPTOR.services_by_name[service_name].full_name
+        self._names.append(full)
+        self._health.set(full, health_pb2.HealthCheckResponse.SERVING)
+        return self
+
+    def start(self) -> "Server":
+        reflection.enable_server_reflection(self._names, self._server)
+        self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._server.start()
+        return self
+
+    def stop(self, grace: float = GRACE_SECONDS) -> None:
+        self._health.enter_graceful_shutdown()
+        self._server.stop(grace).wait()
+        self._stopped.set()
+
+    def wait(self) -> None:
+        """Serve until SIGTERM/SIGINT, then shut down gracefully."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: threading.Thread(target=self.stop, daemon=True).start())
+        self._stopped.wait()
+
+
+def start_metrics(port: int | None) -> None:
+    """Expose Prometheus metrics on http://0.0.0.0:port/metrics (port None or 0: off)."""
+    if port:
+        from prometheus_client import start_http_server
+
+        start_http_server(port)
+
+
+def channel(address: str, auth_token: str | None = None) -> grpc.Channel:
+    """A client channel with treeserve's message limits (and bearer token, when given)."""
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ]
+    ch = grpc.insecure_channel(address, options=options)
+    if auth_token:
+        ch = grpc.intercept_channel(ch, _BearerClient(auth_token))
+    return ch
+
+
+class _BearerClient(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                    grpc.StreamStreamClientInterceptor):
+    def __init__(self, token: str):
+        self._meta = ("authorization", f"Bearer {token}")
+
+    def _details(self, d):
+        meta = list(d.metadata or ()) + [self._meta]
+        return d._replace(metadata=meta) if hasattr(d, "_replace") else _Details(d, meta)
+
+    def intercept_unary_unary(self, cont, d, req):
+        return cont(self._details(d), req)
+
+    def intercept_unary_stream(self, cont, d, req):
+        return cont(self._details(d), req)
+
+    def intercept_stream_stream(self, cont, d, reqs):
+        return cont(self._details(d), reqs)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, d, metadata: Iterable):
+        self.method = d.method
+        self.timeout = d.timeout
+        self.metadata = metadata
+        self.credentials = d.credentials
+        self.wait_for_ready = getattr(d, "wait_for_ready", None)
+        self.compression = getattr(d, "compression", None)

@@ -1,0 +1,18 @@
+"""The drafter: proposes token trees for the verifier to check.
+
+Layout (one job per module):
+
+| module | what |
+|---|---|
+| `proposer` | the `Proposer` interface and the `Draft` it returns |
+| `ngram` | prompt lookup (no model) |
+| `chain`, `static`, `dynamic` | draft-model trees: one child per node; a shape table (STree's 13-node tree); best-first |
+| `fused` | the dynamic tree merged with the n-gram tree |
+| `children` | which children a node gets: greedy top-k, or Gumbel-top-k draws with the exact q reported |
+| `nodes` | candidate-node bookkeeping for model-grown trees |
+| `draftlm` | the draft model (`models.HybridLM`) driven one slot, one tree at a time |
+| `state` | per-sequence draft state kept in step with the committed length |
+| `ahead` | draft-ahead: predicted outcomes, trees prepared in the background |
+| `engine` | sequences and requests, without the wire |
+| `servicer`, `cli`, `client` | the gRPC service, `treeserve drafter`, a client for it |
+"""

@@ -1,0 +1,90 @@
+"""`treeserve drafter`: serve the Drafter service (a draft model, or n-gram lookup without one)."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+log = logging.getLogger("treeserve.drafter")
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="Hugging Face checkpoint directory of the draft model")
+    src.add_argument("--ngram", action="store_true", help="no model: prompt-lookup (n-gram) drafting only")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on cuda, fp32 on cpu")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed on startup)")
+    p.add_argument("--shape", choices=("dynamic", "static", "chain", "ngram", "fused"), default=None,
+                   help="default tree shape (dynamic with a model, ngram without)")
+    p.add_argument("--static-shape", default="stree-13",
+                   help="static shape table: a preset name or per-level branching like '3,2-1,2-1,3'")
+    p.add_argument("--node-budget", type=int, default=16, help="default nodes per tree, root included")
+    p.add_argument("--max-depth", type=int, default=6, help="default depth limit")
+    p.add_argument("--max-nodes", type=int, default=256, help="largest tree any request may ask for")
+    p.add_argument("--no-draft-ahead", action="store_true", help="never prepare trees for predicted outcomes")
+    p.add_argument("--ahead-trees", type=int, default=4, help="outcomes prepared per tree by draft-ahead")
+    p.add_argument("--ahead-fanout", type=int, default=4, help="bonus guesses for the likeliest accepted node")
+    p.add_argument("--ahead-slots", type=int, default=None,
+                   help="state slots for prepared outcomes, shared by all sequences (default: max-sequences x "
+                        "ahead-trees); when none is free an outcome is simply not prepared")
+    p.add_argument("--support", type=int, default=64,
+                   help="most tokens in a reported draft distribution (sampling); larger supports are truncated")
+    p.add_argument("--vocab-limit", type=int, default=0,
+                   help="only draft tokens below this id (the target's vocabulary size when the draft's is padded)")
+    p.add_argument("--max-sequences", type=int, default=64)
+    p.add_argument("--max-len", type=int, default=8192, help="longest sequence the draft model keeps state for")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA graphs for the draft model (their verify buffers grow with the slot count)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
+    p.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' on every call")
+
+
+def build(args: argparse.Namespace):
+    """The Drafter engine described by the command-line arguments."""
+    import torch
+
+    from drafter_service.ahead import AheadConfig
+    from drafter_service.draftlm import DraftModel
+    from drafter_service.engine import Drafter, Options
+    from drafter_service.static import PRESETS, ShapeTable
+
+    try:
+        table = PRESETS.get(args.static_shape) or ShapeTable.parse(args.static_shape)
+    except ValueError as exc:
+        raise SystemExit(f"--static-shape {args.static_shape!r}: {exc}") from exc
+    model = None
+    if args.model:
+        dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+        ahead_slots = 0 if args.no_draft_ahead else args.ahead_slots
+        if ahead_slots is None:
+            ahead_slots = args.max_sequences * args.ahead_trees
+        model = DraftModel.load(args.model, device=args.device, dtype=dtype,
+                                max_slots=args.max_sequences + ahead_slots, max_len=args.max_len,
+                                vocab_limit=args.vocab_limit or None, cuda_graphs=args.cuda_graphs,
+                                fork_slots=ahead_slots)
+    shape = args.shape or ("dynamic" if model is not None else "ngram")
+    defaults = Options(shape, args.node_budget, args.max_depth, not args.no_draft_ahead)
+    ahead = None if args.no_draft_ahead else AheadConfig(args.ahead_trees, args.ahead_fanout)
+    return Drafter(model, defaults, max_sequences=args.max_sequences, max_nodes=args.max_nodes, ahead=ahead,
+                   static_table=table, support=args.support)
+
+
+def run(args: argparse.Namespace) -> int:
+    from drafter_service.servicer import DrafterServicer
+    from treeserve.server import Server, start_metrics
+    from treeserve.v1 import treeserve_pb2_grpc as pbg
+
+    drafter = build(args)
+    server = Server(f"{args.host}:{args.port}", auth_token=args.auth_token)
+    server.add(pbg.add_DrafterServicer_to_server, DrafterServicer(drafter), "Drafter").start()
+    start_metrics(args.metrics_port)
+    log.info("drafter: %s, defaults %s", drafter.strategy, drafter.defaults)
+    print(f"drafter listening on {args.host}:{server.port}", flush=True)
+    try:
+        server.wait()
+    finally:
+        drafter.close()
+    return 0

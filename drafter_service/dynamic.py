@@ -1,0 +1,49 @@
+"""Dynamic trees: best-first expansion by cumulative draft probability under a node budget.
+
+The tree we want holds the `budget` most probable nodes (path probability under the draft model,
+depth at most `depth`). A path's probability never exceeds its prefix's, so that set is a tree.
+It is found level by level with one batched draft forward per level:
+
+1. The selection starts as the root alone; the frontier is the root.
+2. One forward pass over the selected tree gives the next-token distribution of every frontier
+   node; each frontier node contributes its best `budget - 1` children as candidates.
+3. The selection becomes the `budget` best of all candidates so far (ties: shallower, then older).
+   Selected candidates that have not been expanded and are above the depth limit form the next
+   frontier; stop when there is none.
+
+The selection threshold only rises as candidates are added, so a candidate left out once is never
+selected later, and every selected node above the depth limit has been expanded. Hence, when the
+loop stops, every selected node's path probability is at least that of every candidate it left out
+(the children of selected nodes): the result is exactly best-first.
+
+When sampling, children are draws without replacement and must be a prefix of the draw order; a
+child's ranking score is capped by its earlier-drawn sibling's (see `NodeSet.add_children`).
+"""
+from __future__ import annotations
+
+from drafter_service.nodes import NodeSet
+from drafter_service.proposer import Draft
+from drafter_service.state import DraftState
+
+
+class DynamicProposer:
+    name = "dynamic"
+    uses_model = True
+
+    def propose(self, state: DraftState, root: int, budget: int, depth: int) -> Draft:
+        ns = NodeSet(root)
+        selected, frontier = [0], [0] if depth > 0 and budget > 1 else []
+        while frontier:
+            tree, local = ns.tree(selected)
+            kids = state.expand(tree, [local[n] for n in frontier], frontier, budget - 1)
+            for nid, cand in zip(frontier, kids):
+                ns.add_children(nid, cand)
+            selected = best(ns, budget)
+            frontier = [n for n in selected if n not in ns.expanded and ns.nodes[n].depth < depth]
+        return ns.draft(selected, state.picker.reports_dists)
+
+
+def best(ns: NodeSet, budget: int) -> list[int]:
+    """Ids of the `budget` best nodes by score (ties: shallower first, then older)."""
+    ranked = sorted(ns.nodes, key=lambda n: (-n.score, n.depth, n.id))
+    return sorted(n.id for n in ranked[:budget])

@@ -1,0 +1,317 @@
+"""The drafter without the wire: sequences, their draft state, proposers and draft-ahead.
+
+`Drafter` is what the gRPC servicer, the benchmarks and the tests drive:
+
+    drafter.start(seq_id, tokens, sampling, options) -> committed length
+    drafter.draft(DraftCall(...)) -> DraftReply        # raises ServeError subclasses
+    drafter.end(seq_id) -> bool
+
+Rules a draft request must follow (each broken rule is an error with its gRPC code, and changes
+nothing): the sequence exists (NOT_FOUND); tokens are in the vocabulary and the budget is not
+negative (INVALID_ARGUMENT); `committed_length == drafter's length + len(appended)`
+(FAILED_PRECONDITION: the orchestrator resynchronises with StartSequence); an outcome, when given
+after a tree, is a root path of that tree whose tokens are exactly `appended` and whose bonus is
+the new root (INVALID_ARGUMENT). Repeating the previous request verbatim returns the previous answer.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+from drafter_service.ahead import AheadConfig, Prepared, Round, Worker, key_of
+from drafter_service.chain import ChainProposer
+from drafter_service.children import DEFAULT_SUPPORT, ChildPicker, rule_for
+from drafter_service.draftlm import DraftModel
+from drafter_service.dynamic import DynamicProposer
+from drafter_service.fused import FusedProposer
+from drafter_service.metrics import DrafterMetrics
+from drafter_service.ngram import NgramProposer
+from drafter_service.proposer import Proposer, draft_tree
+from drafter_service.state import DraftState
+from drafter_service.static import STREE_13, ShapeTable, StaticProposer
+from treeserve.acceptance import Outcome
+from treeserve.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from treeserve.sampling import Sampling
+from treeserve.tree import TokenTree
+
+SHAPES = ("dynamic", "static", "chain", "ngram", "fused")
+MAX_SEQUENCE_ID_BYTES = 128
+_TOKEN_LIMIT = 2**31  # token ids travel as int32
+
+
+@dataclass(frozen=True)
+class Options:
+    """Per-sequence drafting options (a sequence's defaults come from the drafter's)."""
+
+    shape: str = "dynamic"
+    node_budget: int = 16
+    max_depth: int = 6
+    draft_ahead: bool = True
+
+
+@dataclass(frozen=True)
+class DraftCall:
+    sequence_id: str
+    committed_length: int
+    appended: tuple[int, ...]
+    root: int
+    outcome: Outcome | None = None
+    node_budget: int = 0  # 0: the sequence's budget
+
+
+@dataclass(frozen=True)
+class DraftReply:
+    sequence_id: str
+    committed_length: int
+    tree: TokenTree
+    from_draft_ahead: bool
+    draft_ms: float
+
+
+@dataclass
+class _Sequence:
+    id: str
+    options: Options
+    proposer: Proposer
+    state: DraftState
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    last_tree: TokenTree | None = None
+    last_call: DraftCall | None = None
+    last_reply: DraftReply | None = None
+    round: Round | None = None
+
+    broken: str | None = None  # why the draft state can no longer be trusted (needs StartSequence)
+
+    def stop_round(self, key=None, finalise: bool = True) -> Prepared | None:
+        """Stop draft-ahead and return the prepared state for `key`, if any. Without one, the own
+        state is finalised (when `finalise`), so fresh drafting starts where a job would have."""
+        if self.round is None:
+            return None
+        rnd, self.round = self.round, None
+        hit, _, needs_finalise = rnd.claim(key)
+        if hit is None and needs_finalise and finalise:
+            self.state.logits(rnd.tree)
+        return hit
+
+    def close(self) -> None:
+        hit = self.stop_round(finalise=False)
+        if hit is not None:
+            hit.state.release()
+        self.state.release()
+
+
+class Drafter:
+    def __init__(self, model: DraftModel | None, defaults: Options | None = None, *, max_sequences: int = 64,
+                 max_nodes: int = 256, ahead: AheadConfig | None = AheadConfig(),
+                 static_table: ShapeTable = STREE_13, support: int = DEFAULT_SUPPORT):
+        """model None: n-gram drafting only. ahead None: draft-ahead off for every sequence."""
+        if defaults is None:
+            defaults = Options(shape="dynamic" if model is not None else "ngram")
+        self.model = model
+        self.max_sequences = max_sequences
+        self.max_nodes = max_nodes
+        self.support = support
+        ngram, dynamic = NgramProposer(), DynamicProposer()
+        self.proposers: dict[str, Proposer] = {"ngram": ngram}
+        if model is not None:
+            self.proposers.update(chain=ChainProposer(), static=StaticProposer(static_table), dynamic=dynamic,
+                                  fused=FusedProposer(ngram, dynamic))
+        self.defaults = self._check(defaults)
+        self.ahead = ahead if model is not None else None
+        self.worker = Worker(model.gate) if self.ahead is not None else None
+        self.metrics = DrafterMetrics(self.strategy)
+        self._seqs: dict[str, _Sequence] = {}
+        self._starting: set[str] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def strategy(self) -> str:
+        base = f"{self.defaults.shape}"
+        return f"{base} ({self.model.name})" if self.model is not None else base
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.model.vocab_size if self.model is not None else None
+
+    def options(self, shape: str | None = None, node_budget: int = 0, max_depth: int = 0,
+                draft_ahead: bool | None = None) -> Options:
+        """Sequence options from request fields (None / 0: the drafter's default)."""
+        d = self.defaults
+        return self._check(Options(shape or d.shape, node_budget or d.node_budget, max_depth or d.max_depth,
+                                   d.draft_ahead if draft_ahead is None else draft_ahead))
+
+    def _check(self, o: Options) -> Options:
+        if o.shape not in SHAPES:
+            raise InvalidArgument(f"unknown tree shape {o.shape!r}; known: {', '.join(SHAPES)}")
+        if o.shape not in self.proposers:
+            raise InvalidArgument(f"tree shape {o.shape!r} needs a draft model; this drafter has none (n-gram only)")
+        if o.node_budget < 1 or o.max_depth < 0:
+            raise InvalidArgument(f"node budget must be >= 1 and max depth >= 0, got {o.node_budget} and {o.max_depth}")
+        return replace(o, node_budget=min(o.node_budget, self.max_nodes))
+
+    # ---- sequences --------------------------------------------------------------------------
+    def start(self, sequence_id: str, tokens, sampling: Sampling = Sampling(), options: Options | None = None) -> int:
+        """Begin (or reset) drafting for a sequence that has committed `tokens`."""
+        _check_id(sequence_id)
+        tokens = [int(t) for t in tokens]
+        self._check_tokens(tokens, "tokens")
+        try:
+            sampling = sampling.validate()
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        options = self._check(options or self.defaults)
+        proposer = self.proposers[options.shape]
+        picker = None
+        if proposer.uses_model:
+            picker = ChildPicker(sampling, rule_for(sampling, with_dists=options.shape != "fused"), self.support)
+        with self._foreground():
+            with self._lock:
+                old = self._seqs.pop(sequence_id, None)
+            if old is not None:
+                with old.lock:
+                    old.close()
+            with self._lock:
+                if sequence_id in self._starting:
+                    raise FailedPrecondition(f"sequence {sequence_id!r} is being started by another call")
+                if len(self._seqs) + len(self._starting) >= self.max_sequences:
+                    raise ResourceExhausted(f"drafter is at its limit of {self.max_sequences} sequences")
+                self._starting.add(sequence_id)  # the prefill runs outside the table lock
+            try:
+                state = DraftState.open(sequence_id, tokens, sampling, picker,
+                                        self.model if proposer.uses_model else None)
+            finally:
+                with self._lock:
+                    self._starting.discard(sequence_id)
+            with self._lock:
+                self._seqs[sequence_id] = _Sequence(sequence_id, options, proposer, state)
+                self.metrics.active(len(self._seqs))
+        return len(tokens)
+
+    def end(self, sequence_id: str) -> bool:
+        with self._lock:
+            seq = self._seqs.pop(sequence_id, None)
+            self.metrics.active(len(self._seqs))
+        if seq is None:
+            return False
+        with self._foreground(), seq.lock:
+            seq.close()
+        return True
+
+    def active(self) -> int:
+        with self._lock:
+            return len(self._seqs)
+
+    # ---- drafting ---------------------------------------------------------------------------
+    def draft(self, call: DraftCall) -> DraftReply:
+        t0 = time.perf_counter()
+        with self._lock:
+            seq = self._seqs.get(call.sequence_id)
+        if seq is None:
+            raise NotFound(f"unknown sequence {call.sequence_id!r}: call StartSequence first")
+        self._check_tokens(call.appended, "appended_tokens")
+        self._check_tokens([call.root], "root_token")
+        if call.node_budget < 0:
+            raise InvalidArgument(f"node_budget must be >= 0, got {call.node_budget}")
+        with self._foreground(), seq.lock:
+            if self._seqs.get(call.sequence_id) is not seq:
+                raise NotFound(f"sequence {call.sequence_id!r} ended while the request waited")
+            if call == seq.last_call and seq.last_reply is not None:
+                return seq.last_reply
+            if seq.broken is not None:
+                raise FailedPrecondition(f"sequence {call.sequence_id!r} lost its draft state ({seq.broken}); "
+                                         "resynchronise with StartSequence")
+            expected = seq.state.length + len(call.appended)
+            if call.committed_length != expected:
+                raise FailedPrecondition(
+                    f"sequence {call.sequence_id!r}: drafter has {seq.state.length} committed tokens, so with "
+                    f"{len(call.appended)} appended the length is {expected}, not {call.committed_length}; "
+                    "resynchronise with StartSequence")
+            self._check_outcome(seq, call)
+            budget = min(call.node_budget or seq.options.node_budget, self.max_nodes)
+            try:
+                return self._draft(seq, call, budget, t0)
+            except Exception as exc:
+                # the state may be half-advanced: refuse further requests until StartSequence
+                seq.broken = f"{type(exc).__name__}: {exc}"
+                raise
+
+    def _draft(self, seq: _Sequence, call: DraftCall, budget: int, t0: float) -> DraftReply:
+        depth = seq.options.max_depth
+        had_round = seq.round is not None
+        hit = seq.stop_round(key_of(call.appended, call.root, budget))
+        if hit is not None:
+            old, seq.state = seq.state, hit.state
+            self.model.adopt(seq.state.slot)
+            old.release()
+            draft = hit.draft
+        else:
+            seq.state.advance(call.appended)
+            draft = draft_tree(seq.proposer, seq.state, call.root, budget, depth)
+        draft_ms = (time.perf_counter() - t0) * 1e3
+        reply = DraftReply(call.sequence_id, call.committed_length, draft.tree, hit is not None, draft_ms)
+        seq.last_tree, seq.last_call, seq.last_reply = draft.tree, call, reply
+        if had_round:
+            self.metrics.ahead(hit is not None, (hit.build_ms - draft_ms) if hit is not None else 0.0)
+        self.metrics.tree(seq.options.shape, draft.tree.size, draft_ms)
+        if self.worker is not None and seq.options.draft_ahead and seq.proposer.uses_model:
+            seq.round = Round(seq.state, draft.tree, seq.proposer, budget, depth, self.ahead,
+                              predictions=hit.predictions if hit is not None else None)
+            self.worker.submit(seq.round)
+        return reply
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        """Wait until draft-ahead has nothing left to do (tests, benchmarks)."""
+        return self.worker.wait_idle(timeout) if self.worker is not None else True
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        with self._lock:
+            seqs = list(self._seqs.values())
+            self._seqs.clear()
+        for seq in seqs:
+            with seq.lock:
+                seq.close()
+
+    # ---- checks -------------------------------------------------------------------------------
+    def _foreground(self):
+        if self.model is not None:
+            return self.model.gate.foreground()
+        return _nothing()
+
+    def _check_tokens(self, tokens, what: str) -> None:
+        limit = self.vocab_size or _TOKEN_LIMIT
+        for t in tokens:
+            if not 0 <= t < limit:
+                raise InvalidArgument(f"{what}: token {t} outside the vocabulary [0, {limit})")
+
+    @staticmethod
+    def _check_outcome(seq: _Sequence, call: DraftCall) -> None:
+        out, tree = call.outcome, seq.last_tree
+        if out is None or tree is None:
+            return
+        path = list(out.accepted_nodes)
+        if not tree.is_path(path):
+            raise InvalidArgument(f"outcome accepted_nodes {path} is not a root path of the previous tree "
+                                  f"({tree.size} nodes)")
+        if tuple(tree.tokens_along(path)) != tuple(call.appended):
+            raise InvalidArgument(f"outcome path tokens {tree.tokens_along(path)} differ from appended_tokens "
+                                  f"{list(call.appended)}")
+        if out.bonus != call.root:
+            raise InvalidArgument(f"outcome bonus_token {out.bonus} differs from root_token {call.root}")
+
+
+def _check_id(sequence_id: str) -> None:
+    if not sequence_id:
+        raise InvalidArgument("sequence_id must be non-empty")
+    if len(sequence_id.encode()) > MAX_SEQUENCE_ID_BYTES:
+        raise InvalidArgument(f"sequence_id longer than {MAX_SEQUENCE_ID_BYTES} bytes")
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

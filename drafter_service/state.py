@@ -1,0 +1,137 @@
+"""Per-sequence draft state, kept in step with the verifier's committed length.
+
+`DraftState` holds the committed tokens (for n-gram lookup) and, with a draft model, the state slot
+that has consumed exactly those tokens plus the last verification done on it. Advancing by the
+accepted tokens reuses that verification: the accepted path's per-node states are committed without
+another forward pass, and only tokens outside the verified tree are decoded.
+
+Every forward pass is on this one slot with one tree, so a state forked from it and driven through
+the same calls ends up bit-identical (draft-ahead depends on it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from drafter_service.children import ChildPicker, Children
+from drafter_service.draftlm import DraftModel, Verified
+from treeserve.sampling import Sampling
+from treeserve.tree import TokenTree
+
+
+class Abandoned(Exception):
+    """Raised before a forward pass when the work on a state is no longer wanted (draft-ahead)."""
+
+
+class TokenHistory:
+    """The committed tokens of a sequence: an append-only int64 array."""
+
+    def __init__(self, tokens: Sequence[int] = ()):
+        self._buf = np.zeros(max(64, 2 * len(tokens)), dtype=np.int64)
+        self._n = 0
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        k = len(tokens)
+        if self._n + k > len(self._buf):
+            grown = np.zeros(max(2 * len(self._buf), self._n + k), dtype=np.int64)
+            grown[: self._n] = self._buf[: self._n]
+            self._buf = grown
+        self._buf[self._n : self._n + k] = np.asarray(tokens, dtype=np.int64)
+        self._n += k
+
+    def view(self) -> np.ndarray:
+        """The tokens so far (a view: do not keep it across `extend`)."""
+        return self._buf[: self._n]
+
+    def copy(self) -> "TokenHistory":
+        out = TokenHistory()
+        out.extend(self.view())
+        return out
+
+    def __len__(self) -> int:
+        return self._n
+
+
+@dataclass
+class DraftState:
+    """Draft state of one sequence. `picker` decides children from logits (None without a model)."""
+
+    sequence_id: str
+    sampling: Sampling
+    history: TokenHistory
+    picker: ChildPicker | None = None
+    model: DraftModel | None = None
+    slot: int | None = None
+    verified: Verified | None = field(default=None, repr=False)
+    # checked before every forward pass: background work on a forked state stops within one pass
+    abandoned: Callable[[], bool] | None = field(default=None, repr=False)
+
+    @classmethod
+    def open(cls, sequence_id: str, tokens: Sequence[int], sampling: Sampling, picker: ChildPicker | None,
+             model: DraftModel | None) -> "DraftState":
+        slot = model.open(tokens) if model is not None else None
+        return cls(sequence_id, sampling, TokenHistory(tokens), picker, model, slot)
+
+    @property
+    def length(self) -> int:
+        """Committed length: tokens consumed by the draft state."""
+        return len(self.history)
+
+    def room(self) -> int | None:
+        """Positions left before the draft model's maximum length (None: no limit)."""
+        if self.model is None or self.model.max_len is None:
+            return None
+        return self.model.max_len - self.length
+
+    # ---- drafting ---------------------------------------------------------------------------
+    def logits(self, tree: TokenTree) -> torch.Tensor:
+        """One forward pass of the draft model over `tree` (root at the committed length): (N, V)."""
+        self._still_wanted()
+        logits, self.verified = self.model.verify(self.slot, tree)
+        return logits
+
+    def expand(self, tree: TokenTree, nodes: Sequence[int], salts: Sequence[int], k: int) -> list[Children]:
+        """Candidate children (at most k each) of `nodes` of `tree`, from one forward pass over the
+        whole tree. `salts`: a stable id per node (keys the sampling noise)."""
+        logits = self.logits(tree)
+        rows = logits[torch.as_tensor(list(nodes), dtype=torch.long, device=logits.device)]
+        return self.picker.pick(rows, k, self.length, salts)
+
+    def node_probs(self, tree: TokenTree) -> torch.Tensor:
+        """(N, V) ranking probabilities at every node of `tree` (draft-ahead's outcome prediction);
+        leaves the slot ready to commit any path of `tree` without a forward pass."""
+        return self.picker.ranking_probs(self.logits(tree))
+
+    # ---- keeping in step ----------------------------------------------------------------------
+    def advance(self, tokens: Sequence[int]) -> None:
+        """Consume newly committed tokens."""
+        if not tokens:
+            return
+        if self.model is not None:
+            self._still_wanted()
+            self.model.advance(self.slot, self.verified, tokens)
+            self.verified = None
+        self.history.extend(tokens)
+
+    def _still_wanted(self) -> None:
+        if self.abandoned is not None and self.abandoned():
+            raise Abandoned(self.sequence_id)
+
+    def fork(self) -> "DraftState | None":
+        """An independent copy (a forked slot, no verification); None when no slot is free."""
+        slot = None
+        if self.model is not None:
+            slot = self.model.fork(self.slot)
+            if slot is None:
+                return None
+        return DraftState(self.sequence_id, self.sampling, self.history.copy(), self.picker, self.model, slot)
+
+    def release(self) -> None:
+        if self.model is not None and self.slot is not None:
+            self.model.free(self.slot)
+        self.slot = None
+        self.verified = None

@@ -2,13 +2,14 @@
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
+import torch  # noqa: E402  (torch defines no Triton kernels: safe before TRITON_INTERPRET)
 
+# Without a GPU, Triton kernels run in the interpreter on CPU tensors; on a GPU they compile.
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 torch.set_num_threads(1)
 
 import pytest  # noqa: E402

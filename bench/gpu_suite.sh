@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call: GPU correctness tests, then the kernel and runtime benchmarks.
+# Usage (on a CUDA machine, repository root): bash bench/gpu_suite.sh OUTDIR [STAGES...]
+# Stages: tests kernels runtime verifier drafter (default: all). Logs and JSON land in OUTDIR.
+set -uo pipefail
+out=${1:?output directory}; shift
+stages=${*:-tests kernels runtime verifier drafter}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false TRITON_INTERPRET=0
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
+python3 -c "import torch, triton, transformers, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'grpcio', grpc.__version__)" | tee -a "$out/device.txt"
+for stage in $stages; do
+  echo "=== $stage $(date -u +%FT%TZ)"
+  case $stage in
+    tests) python3 -m pytest -x -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/gpu_tests.log" | tail -25 ;;
+    kernels)
+      python3 -m bench.ssm_kernels --out "$out/ssm_kernels.json" 2>&1 | tee "$out/ssm_kernels.log" | tail -40
+      python3 -m bench.attn_conv_kernels --out "$out/attn_conv_kernels.json" 2>&1 | tee "$out/attn_conv_kernels.log" | tail -30 ;;
+    runtime)
+      for shape in mamba2-2.7b hybrid-8b; do
+        python3 -m bench.model_runtime --shape $shape --out "$out/runtime_$shape.json" 2>&1 | tee "$out/runtime_$shape.log" | tail -25
+      done ;;
+    verifier) python3 -m bench.verifier_service --shape mamba2-2.7b --out "$out/verifier.json" 2>&1 | tee "$out/verifier.log" | tail -20 ;;
+    drafter) echo "drafter bench runs with the trained pair (bench e2e)";;
+  esac
+done

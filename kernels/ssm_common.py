@@ -1,0 +1,82 @@
+"""Shared pieces of the Mamba2 (SSD) kernels: the dt activation, head-to-group mapping, launch sizes.
+
+Both the PyTorch twins and the Triton kernels apply `dt = clamp(softplus(dt_raw + dt_bias), lo, hi)`;
+the softplus is the overflow-safe form (`v` itself once `v > 20`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+SOFTPLUS_THRESHOLD = 20.0
+
+
+def dt_activation(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_limit) -> torch.Tensor:
+    """fp32 `clamp(softplus(dt + dt_bias), *dt_limit)`; `dt (..., H)`, `dt_bias (H,)` or None."""
+    v = dt.float()
+    if dt_bias is not None:
+        v = v + dt_bias.float()
+    v = torch.nn.functional.softplus(v, threshold=SOFTPLUS_THRESHOLD)
+    lo, hi = limits(dt_limit)
+    return v.clamp(min=lo, max=hi)
+
+
+def limits(dt_limit) -> tuple[float, float]:
+    """`(lo, hi)` as floats; None means unclamped."""
+    if dt_limit is None:
+        return 0.0, math.inf
+    lo, hi = dt_limit
+    return float(lo), float(hi)
+
+
+def heads_per_group(nheads: int, ngroups: int) -> int:
+    if nheads % ngroups:
+        raise ValueError(f"{nheads} heads do not split into {ngroups} groups")
+    return nheads // ngroups
+
+
+def expand_groups(t: torch.Tensor, nheads: int) -> torch.Tensor:
+    """`(..., G, N)` -> `(..., H, N)`: head h reads group h // (H // G)."""
+    return t.repeat_interleave(heads_per_group(nheads, t.shape[-2]), dim=-2)
+
+
+def silu_gate(y: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+    return y if z is None else y * torch.nn.functional.silu(z.float())
+
+
+def pow2(n: int, least: int = 16) -> int:
+    """Next power of two >= max(n, least) (tl.arange and tl.dot want powers of two, dot dims >= 16)."""
+    return max(least, 1 << max(0, int(n) - 1).bit_length())
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """Triton dot precision for fp32-converted operands: tf32 is exact for products of bf16/fp16 inputs
+    (their mantissas fit), while genuine fp32 inputs get full ieee fp32."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """Uninitialised output buffer of the Triton wrappers (one place, so tests can poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def as_int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+@triton.jit
+def softplus_clamped(v, lo, hi):
+    """Overflow-safe softplus then clamp; log1p done the accurate way (Goldberg) for tiny exp(v)."""
+    u = tl.exp(tl.minimum(v, 20.0))
+    w = 1.0 + u
+    log1p = tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+    sp = tl.where(v > 20.0, v, log1p)
+    return tl.minimum(tl.maximum(sp, lo), hi)
+
+
+@triton.jit
+def silu(z):
+    return z / (1.0 + tl.exp(-z))

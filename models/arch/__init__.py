@@ -1,0 +1,19 @@
+"""One module per supported architecture: config normalisation and checkpoint weight names.
+
+Each module offers `MODEL_TYPES`, `normalise(hf_config, path) -> HybridConfig`,
+`checkpoint_key(name) -> name` (aliases of published checkpoints) and
+`weight_map(config, available) -> {runtime parameter: Source}`.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+from models.arch import bamba, granitemoehybrid, mamba2, nemotron_h
+
+_MODULES: tuple[ModuleType, ...] = (mamba2, nemotron_h, bamba, granitemoehybrid)
+
+ARCHITECTURES: dict[str, ModuleType] = {t: m for m in _MODULES for t in m.MODEL_TYPES}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(ARCHITECTURES)

@@ -1,0 +1,118 @@
+"""Weight-name pieces shared by the architecture modules.
+
+A *source* says which checkpoint tensors make up one runtime parameter: their names, the shape
+each must have, and how they combine (concatenated along dim 0, e.g. q|k|v into one projection, or
+stacked, e.g. per-expert matrices into one (E, ...) tensor). The loader checks every shape.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from models.config import AttentionSpec, MambaSpec, MLPSpec, MoESpec
+from models.errors import CheckpointError
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Checkpoint tensors `names` (each of the matching shape in `shapes`) combined into one parameter."""
+
+    names: tuple[str, ...]
+    shapes: tuple[Shape, ...]
+    stack: bool = False  # stack along a new dim 0 instead of concatenating along dim 0
+
+    @staticmethod
+    def one(name: str, shape: Shape) -> "Source":
+        return Source((name,), (tuple(shape),))
+
+
+WeightMap = dict[str, Source]
+
+
+def require_silu(act: str, what: str, path: str) -> None:
+    if act != "silu":
+        raise CheckpointError(f"{what} activation {act!r} is not supported (only 'silu')", path=path)
+
+
+def linear(out: WeightMap, target: str, name: str, rows: int, cols: int, bias: bool) -> None:
+    out[f"{target}.weight"] = Source.one(f"{name}.weight", (rows, cols))
+    if bias:
+        out[f"{target}.bias"] = Source.one(f"{name}.bias", (rows,))
+
+
+def fused_linear(out: WeightMap, target: str, parts: list[tuple[str, int]], cols: int, bias: bool) -> None:
+    """One runtime projection from several checkpoint projections (`parts`: name, rows) stacked by rows."""
+    out[f"{target}.weight"] = Source(
+        tuple(f"{n}.weight" for n, _ in parts), tuple((r, cols) for _, r in parts)
+    )
+    if bias:
+        out[f"{target}.bias"] = Source(tuple(f"{n}.bias" for n, _ in parts), tuple((r,) for _, r in parts))
+
+
+def mamba_mixer(out: WeightMap, target: str, ckpt: str, spec: MambaSpec, d_model: int) -> None:
+    """Hugging Face Mamba2 mixer naming (Mamba2, NemotronH, Bamba, ...)."""
+    linear(out, f"{target}.in_proj", f"{ckpt}.in_proj", spec.in_proj_dim, d_model, spec.proj_bias)
+    out[f"{target}.conv_weight"] = Source.one(f"{ckpt}.conv1d.weight", (spec.conv_dim, 1, spec.d_conv))
+    if spec.conv_bias:
+        out[f"{target}.conv_bias"] = Source.one(f"{ckpt}.conv1d.bias", (spec.conv_dim,))
+    for p in ("dt_bias", "A_log", "D"):
+        out[f"{target}.{p}"] = Source.one(f"{ckpt}.{p}", (spec.n_heads,))
+    out[f"{target}.norm_weight"] = Source.one(f"{ckpt}.norm.weight", (spec.d_inner,))
+    linear(out, f"{target}.out_proj", f"{ckpt}.out_proj", d_model, spec.d_inner, spec.proj_bias)
+
+
+def attention(out: WeightMap, target: str, ckpt: str, spec: AttentionSpec, d_model: int) -> None:
+    """Llama-style q/k/v/o naming, fused into one qkv projection at load."""
+    q, kv = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+    parts = [(f"{ckpt}.q_proj", q), (f"{ckpt}.k_proj", kv), (f"{ckpt}.v_proj", kv)]
+    fused_linear(out, f"{target}.qkv_proj", parts, d_model, spec.qkv_bias)
+    linear(out, f"{target}.o_proj", f"{ckpt}.o_proj", d_model, q, spec.out_bias)
+
+
+def mlp(out: WeightMap, target: str, ckpt: str, spec: MLPSpec, d_model: int) -> None:
+    """gate/up/down naming; gate and up are fused into one projection (gate rows first)."""
+    I = spec.intermediate
+    if spec.gated:
+        parts = [(f"{ckpt}.gate_proj", I), (f"{ckpt}.up_proj", I)]
+        fused_linear(out, f"{target}.gate_up_proj", parts, d_model, spec.bias)
+    else:
+        linear(out, f"{target}.up_proj", f"{ckpt}.up_proj", I, d_model, spec.bias)
+    linear(out, f"{target}.down_proj", f"{ckpt}.down_proj", d_model, I, spec.bias)
+
+
+def moe(out: WeightMap, target: str, ckpt: str, spec: MoESpec, d_model: int, available: Callable[[str], bool]) -> None:
+    """NemotronH MoE naming. Experts may be stored merged (`experts.up_proj (E, I, H)`, as
+    transformers saves them) or one tensor per expert (`experts.{e}.up_proj.weight`, as published)."""
+    E, I = spec.n_experts, spec.expert_intermediate
+    hin = spec.latent_size or d_model
+    out[f"{target}.router_weight"] = Source.one(f"{ckpt}.gate.weight", (E, d_model))
+    out[f"{target}.router_bias"] = Source.one(f"{ckpt}.gate.e_score_correction_bias", (E,))
+    for proj, shape in (("up_proj", (I, hin)), ("down_proj", (hin, I))):
+        merged = f"{ckpt}.experts.{proj}"
+        if available(merged):
+            out[f"{target}.experts_{proj.split('_')[0]}"] = Source.one(merged, (E, *shape))
+        else:
+            names = tuple(f"{ckpt}.experts.{e}.{proj}.weight" for e in range(E))
+            out[f"{target}.experts_{proj.split('_')[0]}"] = Source(names, (shape,) * E, stack=True)
+    shared = MLPSpec(spec.shared_intermediate, spec.act, gated=False, bias=spec.bias)
+    mlp(out, f"{target}.shared", f"{ckpt}.shared_experts", shared, d_model)
+    if spec.latent_size is not None:
+        linear(out, f"{target}.fc1_latent", f"{ckpt}.fc1_latent_proj", spec.latent_size, d_model, spec.bias)
+        linear(out, f"{target}.fc2_latent", f"{ckpt}.fc2_latent_proj", d_model, spec.latent_size, spec.bias)
+
+
+def embeddings(out: WeightMap, embed: str, norm_f: str, lm_head: str | None, vocab: int, d_model: int) -> None:
+    out["embed.weight"] = Source.one(embed, (vocab, d_model))
+    out["norm_f.weight"] = Source.one(norm_f, (d_model,))
+    if lm_head is not None:
+        out["lm_head.weight"] = Source.one(lm_head, (vocab, d_model))
+
+
+def rename_prefixes(key: str, renames: Iterable[tuple[str, str]]) -> str:
+    """Apply the first matching prefix rename (published checkpoints vs transformers' own names)."""
+    for old, new in renames:
+        if key.startswith(old):
+            return new + key[len(old):]
+    return key

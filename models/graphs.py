@@ -1,0 +1,262 @@
+"""CUDA graphs for decode and verify: one graph replay per step at bucketed shapes.
+
+A graph is captured (lazily, or all at once with `capture_all`) per batch bucket for decode and
+per (batch bucket, node bucket) for verify. Inputs go through one static int64 buffer that a step
+fills with a single host-to-device copy; the graph covers embedding, every block and the final
+norm, and leaves the hidden states in a static buffer. The LM head runs eagerly on the real rows
+only, so no graph holds full-vocabulary buffers.
+
+Padding: every tree is padded to the node bucket with extra children of its root (they come after
+the real nodes, so they are nobody's ancestors and change no real output; their K/V land in the
+scratch rows after the committed prefix); missing sequences, and padded decode rows, are trees in
+the pool's scratch slot.
+
+All verify graphs share one stash (per-node commit inputs). A stash handed out with pending
+handles aliases those buffers; before the next replay it is copied out if any of its handles is
+still uncommitted.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch
+
+from models.batch import Packed
+from models.verify import VerifyStash
+
+NODE_BUCKETS = (1, 4, 8, 16, 32, 64, 128)
+
+
+def _batch_buckets(max_slots: int) -> list[int]:
+    out, b = [], 1
+    while b < max_slots:
+        out.append(b)
+        b *= 2
+    out.append(max_slots)
+    return out
+
+
+def _bucket(n: int, buckets) -> int | None:
+    for b in buckets:
+        if n <= b:
+            return b
+    return None
+
+
+class _Graph:
+    """One captured forward: `meta` (int64 inputs) -> `hidden` (rows, d_model)."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, meta: torch.Tensor, hidden: torch.Tensor):
+        self.graph = graph
+        self.meta = meta
+        self.hidden = hidden
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class _StaticEager:
+    """The same static-buffer program run eagerly: what a graph replays, without capture. Lets the
+    bucketing, padding and stash handling run (and be tested) where CUDA graphs cannot."""
+
+    def __init__(self, run, meta: torch.Tensor):
+        self.run = run
+        self.meta = meta
+        with torch.no_grad():
+            self.hidden = run().clone()
+
+    def replay(self) -> None:
+        with torch.no_grad():
+            self.hidden.copy_(self.run())
+
+
+class GraphRunner:
+    """Bucketed decode/verify steps for `lm`; `capture=False` runs the same programs eagerly.
+
+    Verify graphs exist for padded sizes of at most `max_rows` nodes in all (the shared stash is
+    that big); larger batches of trees run eagerly, where launch overhead matters less anyway.
+    If a capture fails the runner records why in `failures` and that step runs eagerly.
+    """
+
+    def __init__(self, lm, node_buckets=NODE_BUCKETS, capture: bool = True, max_rows: int = 1024):
+        self.lm = lm
+        self.capture = capture
+        self.max_rows = max_rows
+        self.failures: list[str] = []
+        pool = lm.pool
+        self.batch_buckets = _batch_buckets(pool.max_slots)
+        self.node_buckets = tuple(n for n in node_buckets if n <= pool.capacity - pool.max_len)
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._decode: dict[int, _Graph] = {}
+        self._verify: dict[tuple[int, int], _Graph] = {}
+        rows = min(max_rows, max(self.batch_buckets) * max(self.node_buckets))
+        self.stash = VerifyStash(pool, rows, lm.dtype)
+        self._handed_out = None  # weakref to the last stash view given to pending handles
+
+    # ---- which steps fit ------------------------------------------------------------------------
+    def can_decode(self, batch: int) -> bool:
+        Bb = _bucket(batch, self.batch_buckets)
+        return Bb is not None and self._decode.get(Bb, True) is not None
+
+    def can_verify(self, sizes: list[int]) -> bool:
+        Bb = _bucket(len(sizes), self.batch_buckets)
+        Nb = _bucket(max(sizes), self.node_buckets)
+        if Bb is None or Nb is None or Bb * Nb > self.stash.rows:
+            return False
+        return self._verify.get((Bb, Nb), True) is not None
+
+    # ---- steps --------------------------------------------------------------------------------
+    def decode(self, slots: list[int], lens: list[int], tokens: list[int]) -> torch.Tensor | None:
+        """(B, V) fp32 logits, or None when this bucket has no graph (the caller runs eagerly)."""
+        Bb = _bucket(len(slots), self.batch_buckets)
+        g = self._decode[Bb] if Bb in self._decode else self._capture_decode(Bb)
+        if g is None:
+            return None
+        pad = Bb - len(slots)
+        scratch = self.lm.pool.scratch_slot
+        meta = _decode_meta(tokens + [0] * pad, slots + [scratch] * pad, lens + [0] * pad)
+        g.meta.copy_(meta, non_blocking=True)
+        g.replay()
+        return self.lm.logits(g.hidden[: len(slots)])
+
+    def verify(self, slots: list[int], lens: list[int], trees):
+        """-> (logits (T, V) of the real nodes, packed; stash; first stash row of each tree), or
+        None when this bucket has no graph (the caller runs eagerly)."""
+        B = len(slots)
+        Bb = _bucket(B, self.batch_buckets)
+        Nb = _bucket(max(len(t.tokens) for t in trees), self.node_buckets)
+        g = self._verify[(Bb, Nb)] if (Bb, Nb) in self._verify else self._capture_verify(Bb, Nb)
+        if g is None:
+            return None
+        self._release_stash()
+        scratch = self.lm.pool.scratch_slot
+        tokens = [list(t.tokens) for t in trees] + [[0]] * (Bb - B)
+        parents = [list(t.parents) for t in trees] + [[-1]] * (Bb - B)
+        meta = _tree_meta(tokens, parents, slots + [scratch] * (Bb - B), lens + [0] * (Bb - B), Nb)
+        g.meta.copy_(meta, non_blocking=True)
+        g.replay()
+        if B == 1:
+            real = g.hidden[: len(trees[0].tokens)]
+        else:
+            rows = [b * Nb + i for b, t in enumerate(trees) for i in range(len(t.tokens))]
+            real = g.hidden[torch.tensor(rows, dtype=torch.int64).to(self.lm.device)]
+        logits = self.lm.logits(real)
+        view = _StashView(self.stash)
+        self._handed_out = weakref.ref(view)
+        return logits, view, [b * Nb for b in range(B)]
+
+    def capture_all(self) -> None:
+        """Capture every bucket now (start-up), instead of on first use."""
+        for Bb in self.batch_buckets:
+            if Bb not in self._decode:
+                self._capture_decode(Bb)
+            for Nb in self.node_buckets:
+                if (Bb, Nb) not in self._verify and Bb * Nb <= self.stash.rows:
+                    self._capture_verify(Bb, Nb)
+
+    # ---- capture ------------------------------------------------------------------------------
+    def _release_stash(self) -> None:
+        """Give the last handed-out stash its own copy if a handle of it may still commit."""
+        view = self._handed_out() if self._handed_out is not None else None
+        if view is not None and view.aliased and view.has_live_pending():
+            view.detach_copy()
+        self._handed_out = None
+
+    def _capture(self, meta_host: torch.Tensor, unpack, mode: str, stash):
+        lm = self.lm
+        meta = meta_host.to(lm.device)
+
+        def run():
+            return lm.hidden(mode, unpack(meta), stash)
+
+        self._release_stash()
+        if not self.capture:
+            return _StaticEager(run, meta)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            run()  # warm-up: compiles kernels, settles allocations (writes go to the scratch slot)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
+            hidden = run()
+        return _Graph(graph, meta, hidden)
+
+    def _capture_decode(self, Bb: int):
+        scratch = self.lm.pool.scratch_slot
+        meta = _decode_meta([0] * Bb, [scratch] * Bb, [0] * Bb)
+        g = self._try_capture(meta, lambda m: _unpack(m, Bb, 1), "decode", None, f"decode batch {Bb}")
+        self._decode[Bb] = g
+        return g
+
+    def _capture_verify(self, Bb: int, Nb: int):
+        scratch = self.lm.pool.scratch_slot
+        meta = _tree_meta([[0]] * Bb, [[-1]] * Bb, [scratch] * Bb, [0] * Bb, Nb)
+        g = self._try_capture(meta, lambda m: _unpack(m, Bb, Nb), "verify", self.stash, f"verify {Bb} x {Nb}")
+        self._verify[(Bb, Nb)] = g
+        return g
+
+    def _try_capture(self, meta, unpack, mode, stash, what: str):
+        try:
+            return self._capture(meta, unpack, mode, stash)
+        except Exception as e:  # leave this bucket eager rather than fail the step
+            self.failures.append(f"{what}: {type(e).__name__}: {e}")
+            warnings.warn(f"CUDA graph capture failed for {what}, running it eagerly: {e}", RuntimeWarning)
+            return None
+
+
+class _StashView(VerifyStash):
+    """The shared graph stash as seen by one verify call's pending handles."""
+
+    def __init__(self, shared: VerifyStash):
+        for name, t in shared.tensors().items():
+            setattr(self, name, t)
+        self.rows = shared.rows
+        self.aliased = True
+        self._pendings: list[weakref.ref] = []
+
+    def attach(self, pendings) -> None:
+        self._pendings = [weakref.ref(p) for p in pendings]
+
+    def has_live_pending(self) -> bool:
+        return any((p := r()) is not None and not p.consumed for r in self._pendings)
+
+    def detach_copy(self) -> None:
+        super().detach_copy()
+        self.aliased = False
+
+
+# ---- static input layout -------------------------------------------------------------------------
+# meta = tokens (T) | positions (T) | parents (T) | cu_seqlens (B+1) | slot_idx (B) | cache_lens (B)
+
+
+def _unpack(meta: torch.Tensor, B: int, N: int) -> Packed:
+    T = B * N
+    tok, pos, par, cu, slot, lens = torch.split(meta, [T, T, T, B + 1, B, B])
+    return Packed(
+        tokens=tok, positions=pos, parents=par.to(torch.int32), cu_seqlens=cu.to(torch.int32),
+        slot_idx=slot.to(torch.int32), cache_lens=lens.to(torch.int32), max_nodes=N,
+        sizes=[N] * B, slots=[], lens=[],
+    )
+
+
+def _decode_meta(tokens: list[int], slots: list[int], lens: list[int]) -> torch.Tensor:
+    B = len(tokens)
+    return torch.tensor(tokens + lens + [-1] * B + list(range(B + 1)) + slots + lens, dtype=torch.int64)
+
+
+def _tree_meta(tokens, parents, slots, lens, N: int) -> torch.Tensor:
+    """Trees padded to N nodes each: padding nodes are extra children of the root."""
+    tok, pos, par = [], [], []
+    for t, p, L in zip(tokens, parents, lens):
+        n = len(t)
+        depth = [0] * n
+        for i in range(1, n):
+            depth[i] = depth[p[i]] + 1
+        tok += list(t) + [0] * (N - n)
+        par += list(p) + [0] * (N - n)
+        pos += [L + d for d in depth] + [L + 1] * (N - n)
+    B = len(tokens)
+    cu = [b * N for b in range(B + 1)]
+    return torch.tensor(tok + pos + par + cu + list(slots) + list(lens), dtype=torch.int64)

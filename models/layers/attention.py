@@ -1,0 +1,94 @@
+"""Grouped-query attention over the slot KV cache, composed from `kernels.ops` and `kernels.rope`.
+
+Positions are committed length + depth (prompt index for prefill); RoPE (when the architecture has
+it) is applied before K is written to the cache. Prefill attends causally with plain SDPA, one
+prompt at a time; decode and verify use the tree attention kernel on the packed batch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import ops
+from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from models.batch import Packed
+from models.config import AttentionSpec
+from models.state import StatePool
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: AttentionSpec, d_model: int, layer: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.spec = spec
+        self.layer = layer
+        kw = dict(dtype=dtype, device=device)
+        q, kv = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(d_model, q + 2 * kv, bias=spec.qkv_bias, **kw)
+        self.o_proj = nn.Linear(q, d_model, bias=spec.out_bias, **kw)
+        if spec.rotary_dim:
+            self.register_buffer("inv_freq", rope_inv_freq(spec.rotary_dim, spec.rope_theta, device), persistent=False)
+
+    def prepare(self) -> None:
+        if self.spec.rotary_dim:
+            self.inv_freq.copy_(rope_inv_freq(self.spec.rotary_dim, self.spec.rope_theta, self.inv_freq.device))
+
+    def _qkv(self, h: torch.Tensor, positions: torch.Tensor):
+        s = self.spec
+        T = h.shape[0]
+        q_dim, kv_dim = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+        q, k, v = self.qkv_proj(h).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = q.reshape(T, s.n_heads, s.head_dim)
+        k = k.reshape(T, s.n_kv_heads, s.head_dim)
+        v = v.reshape(T, s.n_kv_heads, s.head_dim)
+        if s.rotary_dim:
+            cos, sin = rope_cos_sin(positions, s.rotary_dim, s.rope_theta, h.dtype, inv_freq=self.inv_freq)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(o.reshape(o.shape[0], -1))
+
+    # ---- modes --------------------------------------------------------------------------------
+    def prefill(self, h: torch.Tensor, batch: Packed, pool: StatePool) -> torch.Tensor:
+        """h (T, d_model) packed prompts -> (T, d_model); prompt K/V appended to each slot's cache."""
+        s = self.spec
+        q, k, v = self._qkv(h, batch.positions)
+        k_cache, v_cache = pool.kv_layer(self.layer)
+        ops.write_tree_kv(k_cache, v_cache, k, v, batch.cu_seqlens, batch.slot_idx, batch.cache_lens)
+        outs = []
+        start = 0
+        for n, slot, L in zip(batch.sizes, batch.slots, batch.lens):
+            qb = q[start : start + n].transpose(0, 1)[None]  # (1, Hq, n, Dh)
+            start += n
+            kb = k_cache[slot, : L + n].transpose(0, 1)[None]  # (1, Hkv, L+n, Dh)
+            vb = v_cache[slot, : L + n].transpose(0, 1)[None]
+            # query i sits at position L + i and sees keys 0 .. L + i
+            mask = None if L == 0 else torch.ones(n, L + n, dtype=torch.bool, device=h.device).tril(diagonal=L)
+            o = F.scaled_dot_product_attention(
+                qb, kb, vb, attn_mask=mask, is_causal=L == 0, scale=s.softmax_scale,
+                enable_gqa=s.n_heads != s.n_kv_heads,
+            )
+            outs.append(o[0].transpose(0, 1))
+        return self._out(torch.cat(outs, 0))
+
+    def decode(self, h: torch.Tensor, batch: Packed, pool: StatePool) -> torch.Tensor:
+        """h (B, d_model) -> (B, d_model); the token's K/V land at position L of its slot."""
+        return self._tree(h, batch, pool, stash=None)
+
+    def verify(self, h: torch.Tensor, batch: Packed, pool: StatePool, stash) -> torch.Tensor:
+        """h (T, d_model) tree nodes -> (T, d_model). Tree K/V go to the scratch rows after each
+        slot's committed prefix (the committed prefix is untouched) and into the stash for commit."""
+        return self._tree(h, batch, pool, stash)
+
+    def _tree(self, h, batch: Packed, pool: StatePool, stash) -> torch.Tensor:
+        q, k, v = self._qkv(h, batch.positions)
+        k_cache, v_cache = pool.kv_layer(self.layer)
+        ops.write_tree_kv(k_cache, v_cache, k, v, batch.cu_seqlens, batch.slot_idx, batch.cache_lens)
+        o = ops.tree_attention(
+            q, k_cache, v_cache, batch.parents, batch.cu_seqlens, batch.slot_idx, batch.cache_lens,
+            batch.max_nodes, self.spec.softmax_scale,
+        )
+        if stash is not None:
+            stash.put_attention(self.layer, k=k, v=v)
+        return self._out(o)

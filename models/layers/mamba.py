@@ -1,0 +1,119 @@
+"""The Mamba2 mixer in its three modes, composed from `kernels.ops`.
+
+in_proj -> z | xBC | dt; causal depthwise conv + SiLU over xBC; SSD scan over (x, dt, B, C);
+gated RMSNorm of y with z; out_proj. The mixer's state lives in the StatePool (index `layer` among
+the Mamba2 blocks); verification leaves it untouched and records, per node, what a commit needs:
+the raw conv inputs, x, B and the raw dt (into a VerifyStash).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import ops
+from models.batch import Packed
+from models.config import MambaSpec
+from models.layers.norms import gated_rms_norm
+from models.state import StatePool
+
+
+class MambaMixer(nn.Module):
+    def __init__(self, spec: MambaSpec, d_model: int, layer: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.spec = spec
+        self.layer = layer
+        kw = dict(dtype=dtype, device=device)
+        self.in_proj = nn.Linear(d_model, spec.in_proj_dim, bias=spec.proj_bias, **kw)
+        self.conv_weight = nn.Parameter(torch.empty(spec.conv_dim, spec.d_conv, **kw))
+        self.conv_bias = nn.Parameter(torch.empty(spec.conv_dim, **kw)) if spec.conv_bias else None
+        f32 = dict(dtype=torch.float32, device=device)
+        self.dt_bias = nn.Parameter(torch.empty(spec.n_heads, **f32))
+        self.A_log = nn.Parameter(torch.empty(spec.n_heads, **f32))
+        self.D = nn.Parameter(torch.empty(spec.n_heads, **f32))
+        self.norm_weight = nn.Parameter(torch.empty(spec.d_inner, **kw))
+        self.out_proj = nn.Linear(spec.d_inner, d_model, bias=spec.proj_bias, **kw)
+        self.register_buffer("A", torch.empty(spec.n_heads, **f32), persistent=False)
+
+    def prepare(self) -> None:
+        """Derive constants once the weights are loaded."""
+        with torch.no_grad():
+            self.A.copy_(-torch.exp(self.A_log.float()))
+
+    # ---- pieces -------------------------------------------------------------------------------
+    def _project(self, h: torch.Tensor):
+        s = self.spec
+        z, xbc, dt = self.in_proj(h).split([s.d_inner, s.conv_dim, s.n_heads], dim=-1)
+        return z, xbc, dt
+
+    def _split_conv(self, xbc: torch.Tensor):
+        s = self.spec
+        gn = s.n_groups * s.d_state
+        x, B, C = xbc.split([s.d_inner, gn, gn], dim=-1)
+        T = xbc.shape[0]
+        return x.reshape(T, s.n_heads, s.head_dim), B.reshape(T, s.n_groups, s.d_state), C.reshape(T, s.n_groups, s.d_state)
+
+    def _finish(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        T = y.shape[0]
+        g = gated_rms_norm(y.reshape(T, s.d_inner), z, self.norm_weight, s.norm_group_size, s.norm_eps, z.dtype)
+        return self.out_proj(g)
+
+    # ---- modes --------------------------------------------------------------------------------
+    def prefill(self, h: torch.Tensor, batch: Packed, pool: StatePool) -> torch.Tensor:
+        """h (T, d_model) packed prompts -> (T, d_model); writes each slot's final conv and SSM state.
+
+        The prefill kernels take one sequence each, so this loops over the prompts; everything
+        around the scan runs on the packed batch.
+        """
+        s = self.spec
+        z, xbc, dt = self._project(h)
+        ssm, conv = pool.ssm_layer(self.layer), pool.conv_layer(self.layer)
+        ys = []
+        start = 0
+        for n, slot, L in zip(batch.sizes, batch.slots, batch.lens):
+            rows = slice(start, start + n)
+            start += n
+            conv_out, conv_state = ops.conv1d_prefill(
+                xbc[rows], self.conv_weight, self.conv_bias, conv[slot] if L > 0 else None
+            )
+            conv[slot] = conv_state
+            x, B, C = self._split_conv(conv_out)
+            y, final = ops.ssd_prefill(
+                x, dt[rows], self.A, B, C, self.D, self.dt_bias, s.dt_limit,
+                initial_state=ssm[slot] if L > 0 else None,
+            )  # the kernel's own chunk size: the result does not depend on it
+            ssm[slot] = final
+            ys.append(y)
+        return self._finish(torch.cat(ys, 0), z)
+
+    def decode(self, h: torch.Tensor, batch: Packed, pool: StatePool) -> torch.Tensor:
+        """h (B, d_model), one token per sequence -> (B, d_model); advances conv and SSM state."""
+        s = self.spec
+        z, xbc, dt = self._project(h)
+        conv = pool.conv_layer(self.layer)
+        conv_out = ops.tree_conv1d(
+            xbc, self.conv_weight, self.conv_bias, conv, batch.parents, batch.cu_seqlens, batch.slot_idx, 1
+        )
+        ops.conv_state_commit(conv, batch.slot_idx, xbc[:, None], torch.diff(batch.cu_seqlens))  # all ones
+        x, B, C = self._split_conv(conv_out)
+        y = ops.ssm_chain_update(
+            pool.ssm_layer(self.layer), batch.slot_idx, x[:, None], dt[:, None], self.A, B[:, None], C[:, None],
+            self.D, self.dt_bias, s.dt_limit,
+        )
+        return self._finish(y[:, 0], z)
+
+    def verify(self, h: torch.Tensor, batch: Packed, pool: StatePool, stash) -> torch.Tensor:
+        """h (T, d_model) packed tree nodes -> (T, d_model); state untouched, commit data stashed."""
+        s = self.spec
+        z, xbc, dt = self._project(h)
+        conv_out = ops.tree_conv1d(
+            xbc, self.conv_weight, self.conv_bias, pool.conv_layer(self.layer),
+            batch.parents, batch.cu_seqlens, batch.slot_idx, batch.max_nodes,
+        )
+        x, B, C = self._split_conv(conv_out)
+        y = ops.tree_ssd_scan(
+            x, dt, self.A, B, C, self.D, self.dt_bias, pool.ssm_layer(self.layer),
+            batch.parents, batch.cu_seqlens, batch.slot_idx, batch.max_nodes, s.dt_limit,
+        )
+        stash.put_mamba(self.layer, xbc=xbc, x=x, B=B, dt=dt)
+        return self._finish(y, z)

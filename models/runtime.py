@@ -1,0 +1,338 @@
+"""HybridLM: a loaded hybrid model with its state pool, and the four batched modes.
+
+    lm = HybridLM.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_slots=32)
+    slot = lm.pool.alloc()
+    logits = lm.prefill([slot], [prompt_ids])             # (B, V)
+    res = lm.verify([slot], [tree])                        # logits (T, V) at every node
+    lm.commit([(res.pending[0], accepted_path)])           # state advances along the path
+    logits = lm.decode([slot], [token])                    # one token per slot
+
+Every mode runs one forward over the packed batch (docs/internals.md, "models/").
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from models import batch as packing
+from models.batch import Packed
+from models.config import AttentionSpec, HybridConfig, MambaSpec, MLPSpec, MoESpec
+from models.errors import CheckpointError
+from models.layers.attention import Attention
+from models.layers.mamba import MambaMixer
+from models.layers.mlp import MLP, MoE
+from models.layers.norms import rms_norm
+from models.loading import (
+    SafetensorsDir,
+    StateDictSource,
+    arch_for,
+    gather_weights,
+    load_tokenizer,
+    normalise,
+    read_config,
+)
+from models.state import StatePool
+from models.verify import Pending, VerifyResult, VerifyStash, commit as commit_paths
+
+
+class _Norm(nn.Module):
+    def __init__(self, d: int, dtype, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d, dtype=dtype, device=device))
+
+
+class Block(nn.Module):
+    """`h + mixer(rmsnorm(h))`."""
+
+    def __init__(self, spec, d_model: int, layer: int, dtype, device):
+        super().__init__()
+        self.norm = _Norm(d_model, dtype, device)
+        if isinstance(spec, MambaSpec):
+            self.mixer = MambaMixer(spec, d_model, layer, dtype, device)
+        elif isinstance(spec, AttentionSpec):
+            self.mixer = Attention(spec, d_model, layer, dtype, device)
+        elif isinstance(spec, MLPSpec):
+            self.mixer = MLP(spec, d_model, dtype, device)
+        elif isinstance(spec, MoESpec):
+            self.mixer = MoE(spec, d_model, dtype, device)
+        else:
+            raise TypeError(spec)
+        self.stateful = isinstance(spec, (MambaSpec, AttentionSpec))
+
+
+class HybridLM(nn.Module):
+    """A hybrid Mamba2/attention language model with per-sequence state slots."""
+
+    def __init__(
+        self,
+        config: HybridConfig,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_slots: int = 8,
+        max_len: int = 4096,
+        cuda_graphs: bool | None = None,
+        tree_headroom: int = 128,
+    ):
+        super().__init__()
+        device = torch.device(device)
+        self.config = config
+        self.dtype = dtype
+        self.tokenizer = None
+        d = config.d_model
+        self.embed = nn.Embedding(config.vocab_size, d, dtype=dtype, device=device)
+        blocks, counts = [], {"mamba": 0, "attention": 0}
+        for spec in config.blocks:
+            layer = counts.get(spec.kind, 0)
+            if spec.kind in counts:
+                counts[spec.kind] += 1
+            blocks.append(Block(spec, d, layer, dtype, device))
+        self.blocks = nn.ModuleList(blocks)
+        self.norm_f = _Norm(d, dtype, device)
+        if not config.tie_embeddings:
+            self.lm_head = nn.Linear(d, config.vocab_size, bias=False, dtype=dtype, device=device)
+        self.residual_dtype = torch.float32 if config.residual_in_fp32 else dtype
+        self.pool = StatePool(config, max_slots, max_len, device, dtype, tree_headroom=tree_headroom)
+        self._mambas = [b.mixer for b in self.blocks if isinstance(b.mixer, MambaMixer)]
+        self.A_all = self.dt_bias_all = None
+        self.dt_limit = self._mambas[0].spec.dt_limit if self._mambas else None
+        self.graphs = None
+        self._want_graphs = cuda_graphs
+        self.requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_slots: int = 8,
+        max_len: int = 4096,
+        cuda_graphs: bool | None = None,
+    ) -> "HybridLM":
+        """Load a checkpoint directory (config.json, *.safetensors, optional tokenizer); never downloads.
+
+        `cuda_graphs`: None captures CUDA graphs for decode/verify when on CUDA and the model allows
+        it; False keeps everything eager.
+        """
+        arch, config, _ = read_config(path)
+        source = SafetensorsDir(path, arch.checkpoint_key)
+        lm = cls(config, device, dtype, max_slots, max_len, cuda_graphs)
+        lm.load_from(source, arch)
+        lm.tokenizer = load_tokenizer(path)
+        return lm
+
+    @classmethod
+    def from_hf_model(cls, model, device=None, dtype=None, max_slots: int = 8, max_len: int = 4096, cuda_graphs=None):
+        """Build from an in-memory transformers model (same weights; used by benchmarks and tests)."""
+        arch = arch_for(model.config.model_type)
+        config = normalise(arch, model.config)
+        lm = cls(config, device or model.device, dtype or model.dtype, max_slots, max_len, cuda_graphs)
+        lm.load_from(StateDictSource(model.state_dict(), arch.checkpoint_key), arch)
+        return lm
+
+    @classmethod
+    def from_config(
+        cls, hf_config, device="cpu", dtype=torch.float32, max_slots: int = 8, max_len: int = 4096,
+        cuda_graphs=None, seed: int = 0, std: float = 0.02,
+    ) -> "HybridLM":
+        """Random weights for a transformers config object (benchmarks: no checkpoint on disk)."""
+        config = normalise(arch_for(hf_config.model_type), hf_config)
+        lm = cls(config, device, dtype, max_slots, max_len, cuda_graphs)
+        gen = torch.Generator(device=lm.device).manual_seed(seed)
+        with torch.no_grad():
+            for name, p in lm.named_parameters():
+                if name.endswith("A_log"):
+                    p.copy_(torch.log(torch.arange(1, p.numel() + 1, dtype=p.dtype, device=p.device)))
+                elif name.endswith(("dt_bias", "D")) or "norm" in name:
+                    p.fill_(1.0)
+                elif name.endswith(("bias", "router_bias")):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, std, generator=gen)
+        lm._finish_loading()
+        return lm
+
+    def load_from(self, source, arch) -> None:
+        shapes = {n: p.shape for n, p in self.named_parameters()}
+        weights = gather_weights(arch.weight_map(self.config, lambda n: n in source), source, shapes)
+        params = dict(self.named_parameters())
+        with torch.no_grad():
+            for name, w in weights.items():
+                params[name].copy_(w)
+        self._finish_loading()
+
+    def _finish_loading(self) -> None:
+        for b in self.blocks:
+            if hasattr(b.mixer, "prepare"):
+                b.mixer.prepare()
+        if self._mambas:
+            self.A_all = torch.cat([m.A for m in self._mambas])
+            self.dt_bias_all = torch.cat([m.dt_bias.detach() for m in self._mambas])
+            if any(m.spec.dt_limit != self.dt_limit for m in self._mambas):
+                raise CheckpointError("Mamba2 blocks with different dt limits are not supported")
+        want = self._want_graphs
+        if want is None:
+            want = self.device.type == "cuda" and not any(isinstance(b.mixer, MoE) for b in self.blocks)
+        if want:
+            if self.device.type != "cuda":
+                raise ValueError("CUDA graphs need a CUDA device")
+            from models.graphs import GraphRunner
+
+            self.graphs = GraphRunner(self)
+
+    # ---- the forward over a packed batch --------------------------------------------------------
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.config.tie_embeddings else self.lm_head.weight
+
+    def hidden(self, mode: str, batch: Packed, stash: VerifyStash | None = None) -> torch.Tensor:
+        """Final-norm hidden states (T, d_model) of every packed token; `mode` is prefill/decode/verify."""
+        cfg = self.config
+        h = self.embed(batch.tokens)
+        if cfg.embedding_multiplier != 1.0:
+            h = h * cfg.embedding_multiplier
+        h = h.to(self.residual_dtype)
+        for blk in self.blocks:
+            x = rms_norm(h.to(self.dtype), blk.norm.weight, self.config.norm_eps)
+            if not blk.stateful:
+                out = blk.mixer(x)
+            elif mode == "verify":
+                out = blk.mixer.verify(x, batch, self.pool, stash)
+            else:
+                out = getattr(blk.mixer, mode)(x, batch, self.pool)
+            h = h + (out * cfg.residual_multiplier if cfg.residual_multiplier != 1.0 else out)
+        return rms_norm(h, self.norm_f.weight, self.config.final_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(T, d_model) -> (T, V) fp32."""
+        logits = torch.nn.functional.linear(hidden.to(self.dtype), self.lm_head_weight).float()
+        return logits / self.config.logits_scaling if self.config.logits_scaling != 1.0 else logits
+
+    # ---- modes ---------------------------------------------------------------------------------
+    def _check(self, slots: Sequence[int], n: int, what: str) -> list[int]:
+        slots = [int(s) for s in slots]
+        if len(slots) != n:
+            raise ValueError(f"{what}: {len(slots)} slots for {n} inputs")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"{what}: a slot appears twice in one batch")
+        for s in slots:
+            self.pool.check(s)
+        return slots
+
+    def _empty_logits(self) -> torch.Tensor:
+        return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
+
+    def _check_tokens(self, tokens, what: str) -> None:
+        V = self.config.vocab_size
+        bad = [t for t in tokens if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"{what}: token {bad[0]} outside the vocabulary [0, {V})")
+
+    @torch.no_grad()
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Consume every prompt token (after whatever each slot already holds) -> (B, V) fp32 logits
+        at each prompt's last position."""
+        slots = self._check(slots, len(prompts), "prefill")
+        if not slots:
+            return self._empty_logits()
+        prompts = [[int(t) for t in p] for p in prompts]
+        for s, p in zip(slots, prompts):
+            if not p:
+                raise ValueError(f"prefill: empty prompt for slot {s}")
+            self._check_tokens(p, "prefill")
+            self.pool.check_room(s, len(p), "prefill")
+        lens = [self.pool.length(s) for s in slots]
+        batch = packing.pack_prompts(slots, lens, prompts, self.device)
+        h = self.hidden("prefill", batch)
+        last = torch.tensor(batch.offsets()[1:], device=self.device) - 1
+        out = self.logits(h[last])
+        for s, p in zip(slots, prompts):
+            self.pool.advance(s, len(p))
+        return out
+
+    @torch.no_grad()
+    def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """Consume one token per slot -> (B, V) fp32 logits."""
+        slots = self._check(slots, len(tokens), "decode")
+        if not slots:
+            return self._empty_logits()
+        tokens = [int(t) for t in tokens]
+        self._check_tokens(tokens, "decode")
+        for s in slots:
+            self.pool.check_room(s, 1, "decode")
+        lens = [self.pool.length(s) for s in slots]
+        out = None
+        if self.graphs is not None and self.graphs.can_decode(len(slots)):
+            out = self.graphs.decode(slots, lens, tokens)
+        if out is None:
+            batch = packing.pack_decode(slots, lens, tokens, self.device)
+            out = self.logits(self.hidden("decode", batch))
+        for s in slots:
+            self.pool.advance(s, 1)
+        return out
+
+    @torch.no_grad()
+    def verify(
+        self,
+        slots: Sequence[int],
+        trees: Sequence[Any],
+        reduce: Callable[[torch.Tensor], Any] | None = None,
+    ) -> VerifyResult:
+        """Logits at every node of every tree (`trees[b]` has `tokens` and `parents`, node 0 the
+        root at position L). Committed state is untouched.
+
+        `reduce`, when given, is applied to the packed fp32 logits (T, V) and its result returned
+        as `output` instead of the logits (e.g. per-node argmax), so callers need not keep
+        full-vocabulary tensors.
+        """
+        slots = self._check(slots, len(trees), "verify")
+        if not slots:
+            empty = self._empty_logits()
+            return VerifyResult(None, [0], [], reduce(empty)) if reduce is not None else VerifyResult(empty, [0], [])
+        for s, t in zip(slots, trees):
+            if len(t.tokens) == 0 or len(t.parents) != len(t.tokens) or t.parents[0] != -1:
+                raise ValueError(f"verify: malformed tree for slot {s}")
+            self._check_tokens(t.tokens, "verify")
+            self.pool.check_room(s, len(t.tokens), "verify")
+        lens = [self.pool.length(s) for s in slots]
+        sizes = [len(t.tokens) for t in trees]
+        step = None
+        if self.graphs is not None and self.graphs.can_verify(sizes):
+            step = self.graphs.verify(slots, lens, trees)
+        if step is not None:
+            logits, stash, rows0 = step
+        else:
+            batch = packing.pack_trees(slots, lens, trees, self.device)
+            stash = VerifyStash(self.pool, batch.num_tokens, self.dtype)
+            logits = self.logits(self.hidden("verify", batch, stash))
+            rows0 = batch.offsets()[:-1]
+        offsets = [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + n)
+        pending = [
+            Pending(s, self.pool.version(s), L, tuple(int(p) for p in t.parents), stash, r0)
+            for s, L, t, r0 in zip(slots, lens, trees, rows0)
+        ]
+        stash.attach(pending)
+        if reduce is not None:
+            return VerifyResult(None, offsets, pending, reduce(logits))
+        return VerifyResult(logits, offsets, pending)
+
+    @torch.no_grad()
+    def commit(self, items: Sequence[tuple[Pending, Sequence[int]]]) -> None:
+        """Advance each verified slot along its accepted path (local node indices from 0 down one
+        branch) by `len(path)` tokens; pendings may come from different verify calls."""
+        commit_paths(self.pool, list(items), self.A_all, self.dt_bias_all, self.dt_limit)
+
+    def fork(self, src: int, dst: int) -> None:
+        """dst takes a copy of src's whole state (both allocated)."""
+        with torch.no_grad():
+            self.pool.copy(src, dst)

@@ -1,0 +1,181 @@
+"""The model runtime on CUDA (Triton kernels, CUDA graphs) against transformers on the same GPU.
+
+Tolerances:
+- fp32: logits within 1e-3 of transformers fp32 (TF32 off on both sides); greedy speculative
+  decoding reproduces transformers' greedy `generate` token for token.
+- bf16: the max logit error against transformers fp32 (same weights) is at most
+  3 x transformers' own bf16 error + 1% of the largest logit.
+- CUDA graphs vs eager (same dtype): within 1e-4 (fp32) / 2e-2 (bf16) of each other.
+Skipped without CUDA.
+"""
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from models import HybridLM
+from tests.models.hf_zoo import make_model, random_prompt
+from tests.models.trees import argmax_rows, greedy_walk, guided_tree, random_tree
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+VOCAB = 512
+WIDE = {
+    "mamba2": dict(hidden_size=256, num_heads=8, head_dim=64, state_size=64, n_groups=2, num_hidden_layers=4, chunk_size=64),
+    "nemotron_h": dict(
+        hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32, intermediate_size=512,
+        mamba_num_heads=8, mamba_head_dim=64, ssm_state_size=64, n_groups=2, chunk_size=64,
+        moe_intermediate_size=128, moe_shared_expert_intermediate_size=192,
+    ),
+    "nemotron_h_dense": dict(
+        hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32, intermediate_size=512,
+        mamba_num_heads=8, mamba_head_dim=64, ssm_state_size=64, n_groups=2, chunk_size=64,
+    ),
+    "bamba": dict(
+        hidden_size=256, num_attention_heads=8, num_key_value_heads=2, intermediate_size=512, mamba_n_heads=8,
+        mamba_n_groups=2, mamba_d_state=64, mamba_chunk_size=64,
+    ),
+}
+ARCHS = list(WIDE)
+GRAPH_ARCHS = ["mamba2", "nemotron_h_dense", "bamba"]  # MoE blocks run eagerly
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+_MODELS: dict = {}
+
+
+def models(arch, tmp_path_factory):
+    """(checkpoint dir, transformers fp32 model on CUDA, transformers bf16 model on CUDA)."""
+    if arch not in _MODELS:
+        m = make_model(arch, vocab_size=VOCAB, **WIDE[arch])
+        path = tmp_path_factory.mktemp(f"gpu_{arch}")
+        m.save_pretrained(path)
+        m32 = m.cuda()
+        m16 = copy.deepcopy(m32).to(torch.bfloat16)
+        _MODELS[arch] = (path, m32, m16)
+    return _MODELS[arch]
+
+
+@torch.no_grad()
+def ref_logits(model, ids):
+    return model(torch.tensor([ids], device="cuda"), use_cache=False).logits[0].float()
+
+
+def scenario(lm, rng, steps=2):
+    """Prefill two prompts, decode, then verify random trees and commit a branch, `steps` times.
+    Yields (logits, token sequence whose last position they belong to) for every output row."""
+    seqs = [random_prompt(rng, 40, VOCAB), random_prompt(rng, 7, VOCAB)]
+    slots = [lm.pool.alloc(), lm.pool.alloc()]
+    out = lm.prefill(slots, seqs)
+    yield from ((out[b], list(seqs[b])) for b in range(2))
+    for _ in range(steps):
+        toks = [rng.randrange(1, VOCAB) for _ in slots]
+        out = lm.decode(slots, toks)
+        seqs = [s + [t] for s, t in zip(seqs, toks)]
+        yield from ((out[b], list(seqs[b])) for b in range(2))
+        trees = [random_tree(rng, rng.randrange(1, 96), 13, "random"), random_tree(rng, rng.randrange(1, 96), 5, "chain")]
+        res = lm.verify(slots, trees)
+        for b, t in enumerate(trees):
+            for i in range(t.size):
+                yield res.logits[res.offsets[b] + i], seqs[b] + t.tokens_along(t.path_to(i))
+        paths = [t.path_to(t.size - 1) for t in trees]
+        lm.commit([(res.pending[b], p) for b, p in enumerate(paths)])
+        seqs = [s + t.tokens_along(p) for s, t, p in zip(seqs, trees, paths)]
+    for s in slots:
+        lm.pool.free(s)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp32_matches_transformers(arch, tmp_path_factory):
+    path, m32, _ = models(arch, tmp_path_factory)
+    lm = HybridLM.from_pretrained(path, device="cuda", dtype=torch.float32, max_slots=2, max_len=128)
+    for logits, seq in scenario(lm, random.Random(0)):
+        err = (logits - ref_logits(m32, seq)[-1]).abs().max().item()
+        assert err < 1e-3, f"len {len(seq)}: {err:.3g}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_within_transformers_own_bf16_error(arch, tmp_path_factory):
+    path, m32, m16 = models(arch, tmp_path_factory)
+    lm = HybridLM.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_slots=2, max_len=128)
+    worst = 0.0
+    for logits, seq in scenario(lm, random.Random(1)):
+        r32 = ref_logits(m32, seq)[-1]
+        ours = (logits - r32).abs().max().item()
+        theirs = (ref_logits(m16, seq)[-1] - r32).abs().max().item()
+        bound = 3 * theirs + 0.01 * r32.abs().max().item()
+        worst = max(worst, ours / bound)
+        assert ours <= bound, f"len {len(seq)}: ours {ours:.3g}, transformers bf16 {theirs:.3g}"
+    print(f"{arch}: worst error / bound = {worst:.2f}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_speculation_equals_generate_fp32(arch, tmp_path_factory):
+    path, m32, _ = models(arch, tmp_path_factory)
+    lm = HybridLM.from_pretrained(path, device="cuda", dtype=torch.float32, max_slots=3, max_len=128)
+    rng = random.Random(2)
+    n_new = 24
+    prompts = [random_prompt(rng, n, VOCAB) for n in (5, 30, 2)]
+    truth = []
+    for p in prompts:
+        x = torch.tensor([p], device="cuda")
+        out = m32.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
+        truth.append(out[0, len(p):].tolist())
+    slots = [lm.pool.alloc() for _ in prompts]
+    emitted = [[t] for t in argmax_rows(lm.prefill(slots, prompts))]
+    while any(len(e) < n_new for e in emitted):
+        live = [b for b in range(3) if len(emitted[b]) < n_new]
+        trees = [guided_tree(rng, emitted[b][-1], truth[b][len(emitted[b]):], rng.choice([1, 4, 9, 16])) for b in live]
+        res = lm.verify([slots[b] for b in live], trees)
+        commits = []
+        for i, b in enumerate(live):
+            path, bonus = greedy_walk(trees[i], argmax_rows(res.logits[res.offsets[i] : res.offsets[i + 1]]))
+            commits.append((res.pending[i], path))
+            emitted[b] += trees[i].tokens_along(path[1:]) + [bonus]
+        lm.commit(commits)
+    for b in range(3):
+        assert emitted[b][:n_new] == truth[b], f"sequence {b}"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("arch", GRAPH_ARCHS)
+def test_cuda_graphs_match_eager(arch, dtype, tol, tmp_path_factory):
+    path, _, _ = models(arch, tmp_path_factory)
+    eager = HybridLM.from_pretrained(path, device="cuda", dtype=dtype, max_slots=3, max_len=128, cuda_graphs=False)
+    graphed = HybridLM.from_pretrained(path, device="cuda", dtype=dtype, max_slots=3, max_len=128)
+    assert graphed.graphs is not None and eager.graphs is None
+    a = list(scenario(eager, random.Random(3), steps=3))
+    b = list(scenario(graphed, random.Random(3), steps=3))
+    assert len(a) == len(b)
+    assert not graphed.graphs.failures, graphed.graphs.failures
+    for (la, sa), (lb, sb) in zip(a, b):
+        assert sa == sb
+        err = (la - lb).abs().max().item()
+        assert err <= tol * max(1.0, la.abs().max().item()), f"len {len(sa)}: {err:.3g}"
+
+
+def test_capture_every_bucket_then_serve(tmp_path_factory):
+    path, m32, _ = models("bamba", tmp_path_factory)
+    lm = HybridLM.from_pretrained(path, device="cuda", dtype=torch.float32, max_slots=4, max_len=160)
+    lm.graphs.capture_all()
+    assert not lm.graphs.failures, lm.graphs.failures
+    rng = random.Random(4)
+    prompts = [random_prompt(rng, 9, VOCAB) for _ in range(3)]
+    slots = [lm.pool.alloc() for _ in prompts]
+    lm.prefill(slots, prompts)
+    trees = [random_tree(rng, 3, n, "random") for n in (1, 40, 128)]  # three node buckets, batch bucket 4
+    res = lm.verify(slots, trees)
+    for b, t in enumerate(trees):
+        i = t.size - 1
+        ref = ref_logits(m32, prompts[b] + t.tokens_along(t.path_to(i)))[-1]
+        assert (res.logits[res.offsets[b] + i] - ref).abs().max().item() < 1e-3

@@ -1,0 +1,205 @@
+"""SSM kernels on CUDA at the real layer shapes (design §9), bf16 activations, fp32 state.
+
+Run on a GPU machine with compiled (not interpreted) Triton:
+
+    TRITON_INTERPRET=0 python -m pytest -q tests/gpu/test_ssm_gpu.py
+
+Tolerances (elementwise, |err| <= tol * (|expected| + max|expected|)): bf16 activations 1e-2 against the
+float64 oracle run on the same bf16-rounded inputs (bf16 output rounding is 4e-3; tf32 products inside);
+fp32 activations 1e-4 (ieee products). `test_kernels_compile_for_h100` needs no GPU: it compiles every
+SSM kernel for sm_90 on whatever machine runs it.
+"""
+import os
+
+import pytest
+import torch
+
+from kernels import ops, ssm_common
+from kernels.ssd_prefill import ssd_prefill, ssd_prefill_ref
+from kernels.ssd_tree import tree_ssd_scan, tree_ssd_scan_ref
+from kernels.ssm_commit import ssm_state_commit, ssm_state_commit_ref
+from kernels.ssm_decode import ssm_chain_update, ssm_chain_update_ref
+from tests.kernels.ssm_oracle import (
+    assert_close,
+    assert_compiles_for_sm90,
+    chain_case,
+    commit_case,
+    nan_output,
+    on,
+    oracle_chain,
+    oracle_commit,
+    oracle_prefill,
+    oracle_tree,
+    prefill_case,
+    tree_case,
+    untouched_slots,
+)
+from tests.kernels.test_ssd_prefill import split_in_two
+from tests.kernels.test_ssm_commit import commit_then_decode
+
+# (H, P, N, G)
+SHAPES = {"mamba2-2.7b": (80, 64, 128, 1), "hybrid-8b": (32, 128, 128, 32)}
+BF16_TOL = 1e-2
+FP32_TOL = 1e-4
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEV = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    monkeypatch.setattr(ssm_common, "new_output", nan_output)
+
+
+@pytest.fixture
+def compiled_triton():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.fail("CUDA tests must run compiled kernels: set TRITON_INTERPRET=0 (tests/conftest.py defaults it to 1)")
+
+
+def gpu(fn):
+    """A CUDA test: skipped without a device, failed (not skipped) if the kernels are interpreted."""
+    return cuda(pytest.mark.usefixtures("compiled_triton")(fn))
+
+
+TREES = [(64, "random"), (16, "bushy"), (1, "single"), (7, "chain"), (40, "deep"), (130, "random"), (256, "bushy")]
+
+
+@gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tree_scan(shape):
+    args, lists = tree_case(TREES, *SHAPES[shape], seed=1, dtype=torch.bfloat16, slots=9)
+    a = on(args, DEV)
+    before = a["ssm_state"].clone()
+    out = tree_ssd_scan(**a)
+    ref = tree_ssd_scan_ref(**a)
+    assert_close(out, ref, BF16_TOL, "triton vs reference")
+    assert torch.equal(a["ssm_state"], before), "the state pool must not be modified"
+    # the float64 oracle on the first trees only (it walks every root-to-node path in Python)
+    k = 5
+    n = int(a["cu_seqlens"][k])
+    first = {**a, "cu_seqlens": a["cu_seqlens"][: k + 1], "slot_idx": a["slot_idx"][:k]}
+    for key in ("x", "dt", "B", "C", "z", "parents"):
+        first[key] = a[key][:n]
+    assert_close(out[:n], oracle_tree(first, lists[:k]), BF16_TOL, "triton vs oracle")
+
+
+@gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tree_scan_fp32_activations(shape):
+    args, lists = tree_case([(64, "random"), (5, "star")], *SHAPES[shape], seed=2, slots=3)
+    a = on(args, DEV)
+    out = tree_ssd_scan(**a)
+    assert_close(out, oracle_tree(a, lists), FP32_TOL, "triton vs oracle")
+
+
+@gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_large_dt_does_not_overflow(shape):
+    args, lists = tree_case([(24, "random")], *SHAPES[shape], seed=3, dtype=torch.bfloat16, dt_scale=12.0,
+                            dt_shift=18.0, a_max=60.0, slots=2)
+    a = on(args, DEV)
+    assert_close(tree_ssd_scan(**a), oracle_tree(a, lists), BF16_TOL, "tree scan vs oracle")
+    c = on(chain_case(2, 4, *SHAPES[shape], seed=3, dtype=torch.bfloat16, dt_scale=12.0, dt_shift=18.0,
+                      a_max=60.0), DEV)
+    y_exp, h_exp = oracle_chain(c)
+    assert_close(ssm_chain_update(**c), y_exp, BF16_TOL, "chain update vs oracle")
+    assert_close(c["ssm_state"][c["slot_idx"].long()], h_exp, BF16_TOL, "chain state vs oracle")
+
+
+@gpu
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("nb,K", [(1, 1), (16, 1), (16, 4)])
+def test_chain_update(shape, nb, K):
+    args = on(chain_case(nb, K, *SHAPES[shape], seed=nb + K, dtype=torch.bfloat16, slots=20), DEV)
+    pool0 = args["ssm_state"].clone()
+    y_exp, h_exp = oracle_chain(args)
+    slots = args["slot_idx"].long()
+    keep = untouched_slots(pool0, slots)
+    for fn, name in ((ssm_chain_update, "triton"), (ssm_chain_update_ref, "reference")):
+        args["ssm_state"] = pool0.clone()
+        y = fn(**args)
+        assert_close(y, y_exp, BF16_TOL, f"{name} y vs oracle")
+        assert_close(args["ssm_state"][slots], h_exp, FP32_TOL * 10, f"{name} state vs oracle")
+        assert torch.equal(args["ssm_state"][keep], pool0[keep]), f"{name} touched other slots"
+
+
+@gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_commit(shape):
+    lens = [1, 3, 8, 5, 2, 8, 4, 6, 7, 1, 2, 3, 5, 8, 6, 4]
+    args = on(commit_case(lens, 8, *SHAPES[shape], seed=5, dtype=torch.bfloat16, slots=20), DEV)
+    pool0 = args["ssm_state"].clone()
+    expected = oracle_commit(args)
+    slots = args["slot_idx"].long()
+    keep = untouched_slots(pool0, slots)
+    for fn, name in ((ssm_state_commit, "triton"), (ssm_state_commit_ref, "reference")):
+        args["ssm_state"] = pool0.clone()
+        fn(**args)
+        assert_close(args["ssm_state"][slots], expected, FP32_TOL * 10, f"{name} vs oracle")
+        assert torch.equal(args["ssm_state"][keep], pool0[keep]), f"{name} touched other slots"
+
+
+@gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_commit_then_decode(shape):
+    commit_then_decode(DEV, *SHAPES[shape], dtype=torch.bfloat16, tol=BF16_TOL)
+
+
+@gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_chain_tree_equals_chain_update(shape):
+    args, _ = tree_case([(12, "chain")], *SHAPES[shape], seed=6, dtype=torch.bfloat16, slots=2)
+    a = on(args, DEV)
+    y_tree = tree_ssd_scan(**a)
+    y_chain = ssm_chain_update(a["ssm_state"].clone(), a["slot_idx"], a["x"][None], a["dt"][None], a["A"],
+                               a["B"][None], a["C"][None], a["D"], a["dt_bias"], a["dt_limit"], z=a["z"][None])
+    assert_close(y_tree, y_chain[0], BF16_TOL, "chain tree vs chain update")
+
+
+@gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_prefill(shape):
+    args = on(prefill_case(1000, *SHAPES[shape], seed=7, dtype=torch.bfloat16), DEV)
+    y_exp, h_exp = oracle_prefill(args)
+    for fn, name in ((ssd_prefill, "triton"), (ssd_prefill_ref, "reference")):
+        y, h = fn(**args)
+        assert_close(y, y_exp, BF16_TOL, f"{name} y vs oracle")
+        assert_close(h, h_exp, FP32_TOL * 10, f"{name} final state vs oracle")
+    y2, h2 = split_in_two(ssd_prefill, args, 333, 64)
+    assert_close(y2, y_exp, BF16_TOL, "two halves y vs oracle")
+    assert_close(h2, h_exp, FP32_TOL * 10, "two halves state vs oracle")
+
+
+@gpu
+def test_dispatch_picks_triton_on_cuda(monkeypatch):
+    monkeypatch.delenv("TREESERVE_KERNELS", raising=False)
+    dev = torch.device(DEV)
+    for name, fn in (("tree_ssd_scan", tree_ssd_scan), ("ssm_state_commit", ssm_state_commit),
+                     ("ssm_chain_update", ssm_chain_update), ("ssd_prefill", ssd_prefill)):
+        assert ops.implementation(name, dev) is fn
+
+
+def test_kernels_compile_for_h100():
+    """Every SSM kernel at the GPU shapes' constexprs (headdim 64/128, d_state 128, node tiles 16..64
+    incl. multi-tile trees, K = 1 and 8, bf16) through the real sm_90 compiler, without spills.
+    Launch arguments are recorded from interpreted runs with few heads (heads are not constexpr)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("records launches from interpreted runs (TRITON_INTERPRET=1); CUDA runs compile anyway")
+    from kernels import ssd_prefill as prefill_mod
+    from kernels import ssd_tree, ssm_commit, ssm_decode
+
+    def run():
+        for P in (64, 128):
+            args, _ = tree_case([(64, "random"), (5, "star")], 1, P, 128, 1, seed=8, dtype=torch.bfloat16)
+            tree_ssd_scan(**args)
+            ssm_chain_update(**chain_case(1, 1, 1, P, 128, 1, seed=8, dtype=torch.bfloat16))
+            ssm_state_commit(**commit_case([3], 8, 1, P, 128, 1, seed=8, dtype=torch.bfloat16))
+            ssd_prefill(**prefill_case(70, 1, P, 128, 1, seed=8, dtype=torch.bfloat16))
+        args, _ = tree_case([(130, "deep"), (16, "bushy")], 1, 16, 16, 1, seed=8, dtype=torch.bfloat16)
+        tree_ssd_scan(**args)
+        ssm_chain_update(**chain_case(1, 4, 1, 64, 128, 1, seed=8, dtype=torch.bfloat16))
+
+    kernels = [ssd_tree._tree_ssd_kernel, ssm_decode._chain_update_kernel, ssm_commit._commit_kernel,
+               prefill_mod._chunk_state_kernel, prefill_mod._state_passing_kernel, prefill_mod._chunk_scan_kernel]
+    assert_compiles_for_sm90(kernels, run)

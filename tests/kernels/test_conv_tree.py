@@ -1,0 +1,171 @@
+"""Tree causal conv, conv-state commit and prefill conv: Triton (interpreted) vs reference vs a float64
+per-node oracle (the ordinary 1-D causal conv over [committed state | root-to-node path inputs])."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import conv_tree as ct
+from tests.kernels.interpret_compat import install as _fix_interpreter
+from tests.kernels.tree_cases import KINDS, packed_batch, path_to, random_branch
+
+_fix_interpreter()
+
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
+
+
+def _oracle_conv(state: torch.Tensor, inputs: torch.Tensor, weight, bias) -> torch.Tensor:
+    """SiLU(causal conv) of the last input. state (D, W-1), inputs (n, D) -> (D,) float64."""
+    seq = torch.cat([state.double(), inputs.double().t()], dim=1)
+    b = bias.double() if bias is not None else None
+    y = F.conv1d(seq[None], weight.double()[:, None, :], b, groups=weight.shape[0])[0, :, -1]
+    return F.silu(y)
+
+
+def _batch(kinds_sizes, D, W, dtype, seed, S=7):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    parents, cu, max_nodes, lists = packed_batch(kinds_sizes, rng)
+    T = int(cu[-1])
+    slots = torch.tensor(rng.sample(range(S), len(lists)), dtype=torch.int32)
+    xbc = torch.randn(T, D, generator=gen).to(dtype)
+    weight = (torch.randn(D, W, generator=gen) * 0.5).to(dtype)
+    bias = torch.randn(D, generator=gen).to(dtype)
+    state = torch.randn(S, D, max(W - 1, 0), generator=gen).to(dtype)
+    return parents, cu, max_nodes, lists, slots, xbc, weight, bias, state
+
+
+MIXED = [(1, "single"), (5, "chain"), (6, "star"), (9, "deep"), (7, "random"), (8, "bushy")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("W,D,with_bias", [(4, 37, True), (3, 300, False), (2, 19, True), (1, 16, True)])
+def test_tree_conv1d_matches_oracle(dtype, W, D, with_bias):
+    parents, cu, max_nodes, lists, slots, xbc, weight, bias, state = _batch(MIXED + [(20, "chain")], D, W, dtype, 1)
+    bias = bias if with_bias else None
+    out = torch.full_like(xbc, float("nan"))
+    got = ct.tree_conv1d(xbc, weight, bias, state, parents, cu, slots, max_nodes, out=out)
+    ref = ct.tree_conv1d_ref(xbc, weight, bias, state, parents, cu, slots, max_nodes)
+    assert got is out and not torch.isnan(got).any()
+    torch.testing.assert_close(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    for b, lst in enumerate(lists):
+        r0 = int(cu[b])
+        for i in range(len(lst)):
+            path = torch.tensor(path_to(lst, i)) + r0
+            want = _oracle_conv(state[int(slots[b])], xbc[path], weight, bias)
+            torch.testing.assert_close(got[r0 + i].double(), want, atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
+            torch.testing.assert_close(ref[r0 + i].double(), want, atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tree_conv1d_each_kind_alone(kind):
+    parents, cu, max_nodes, lists, slots, xbc, weight, bias, state = _batch([(24, kind)], 24, 4, torch.float32, 2)
+    got = ct.tree_conv1d(xbc, weight, bias, state, parents, cu, slots, max_nodes)
+    ref = ct.tree_conv1d_ref(xbc, weight, bias, state, parents, cu, slots, max_nodes)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("W", [4, 3, 2])
+def test_conv_state_commit(dtype, W):
+    gen = torch.Generator().manual_seed(3)
+    S, D, K = 8, 37, 6
+    lens = [1, 2, 3, 6, 4]
+    slots = torch.tensor([5, 0, 7, 2, 3], dtype=torch.int32)
+    state = torch.randn(S, D, W - 1, generator=gen).to(dtype)
+    xbc_path = torch.randn(len(lens), K, D, generator=gen).to(dtype)
+    xbc_path[0, 1:] = float("nan")  # rows past path_len must be ignored
+    path_len = torch.tensor(lens, dtype=torch.int32)
+    got, ref = state.clone(), state.clone()
+    ct.conv_state_commit(got, slots, xbc_path, path_len)
+    ct.conv_state_commit_ref(ref, slots, xbc_path, path_len)
+    assert torch.equal(got, ref)
+    untouched = [s for s in range(S) if s not in slots.tolist()]
+    assert torch.equal(got[untouched], state[untouched])
+    for b, n in enumerate(lens):
+        seq = torch.cat([state[int(slots[b])], xbc_path[b, :n].t()], dim=1)
+        assert torch.equal(got[int(slots[b])], seq[:, -(W - 1):])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("L", [1, 2, 3, 21])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_conv1d_prefill(dtype, L, with_state):
+    gen = torch.Generator().manual_seed(L)
+    D, W = 37, 4
+    xbc = torch.randn(L, D, generator=gen).to(dtype)
+    weight = torch.randn(D, W, generator=gen).to(dtype)
+    bias = torch.randn(D, generator=gen).to(dtype)
+    init = torch.randn(D, W - 1, generator=gen).to(dtype) if with_state else None
+    out, new_state = ct.conv1d_prefill(xbc, weight, bias, init)
+    out_ref, state_ref = ct.conv1d_prefill_ref(xbc, weight, bias, init)
+    torch.testing.assert_close(out.float(), out_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(new_state, state_ref)
+    base = init if init is not None else torch.zeros(D, W - 1, dtype=dtype)
+    for t in range(L):
+        want = _oracle_conv(base, xbc[: t + 1], weight, bias)
+        torch.testing.assert_close(out[t].double(), want, atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
+    assert torch.equal(new_state, torch.cat([base, xbc.t()], dim=1)[:, -(W - 1):])
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_commit_then_decode_equals_sequential(impl):
+    """Verify a tree, commit one branch, decode the bonus token: same outputs and state as feeding the
+    accepted tokens one at a time (and as one prefill)."""
+    suffix = "" if impl == "triton" else "_ref"
+    tree_conv1d = getattr(ct, "tree_conv1d" + suffix)
+    commit = getattr(ct, "conv_state_commit" + suffix)
+    prefill = getattr(ct, "conv1d_prefill" + suffix)
+    rng = random.Random(4)
+    D, W, S = 21, 4, 4
+    parents, cu, max_nodes, lists, slots, xbc, weight, bias, state = _batch(
+        [(11, "random"), (9, "deep")], D, W, torch.float32, 4, S=S)
+    tree_out = tree_conv1d(xbc, weight, bias, state, parents, cu, slots, max_nodes)
+    branches = [random_branch(lst, rng) for lst in lists]
+    K = max(len(p) for p in branches)
+    xbc_path = torch.zeros(len(lists), K, D)
+    for b, p in enumerate(branches):
+        xbc_path[b, : len(p)] = xbc[int(cu[b]) + torch.tensor(p)]
+    committed = state.clone()
+    commit(committed, slots, xbc_path, torch.tensor([len(p) for p in branches], dtype=torch.int32))
+
+    bonus = torch.randn(len(lists), D, generator=torch.Generator().manual_seed(5))
+    one = torch.tensor([-1] * len(lists), dtype=torch.int32)
+    cu1 = torch.arange(len(lists) + 1, dtype=torch.int32)
+    decoded = tree_conv1d(bonus, weight, bias, committed, one, cu1, slots, 1)
+    for b, p in enumerate(branches):
+        s = int(slots[b])
+        seq_state = state[s].clone()
+        for t, node in enumerate(p):  # one token at a time, through the single-node tree path
+            step = tree_conv1d(xbc_path[b, t : t + 1], weight, bias, seq_state[None], one[:1], cu1[:2],
+                               torch.zeros(1, dtype=torch.int32), 1)
+            torch.testing.assert_close(step[0], tree_out[int(cu[b]) + node], atol=2e-5, rtol=2e-5)
+            seq_state = torch.cat([seq_state, xbc_path[b, t : t + 1].t()], dim=1)[:, 1:]
+        assert torch.equal(committed[s], seq_state)
+        pre_out, pre_state = prefill(torch.cat([xbc_path[b, : len(p)], bonus[b : b + 1]]), weight, bias, state[s])
+        torch.testing.assert_close(decoded[b], pre_out[-1], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(pre_out[:-1], tree_out[int(cu[b]) + torch.tensor(p)], atol=2e-5, rtol=2e-5)
+
+
+def test_compiles_for_sm90():
+    """The kernels as launched above also compile for an H100 (bf16), without register spills."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from tests.kernels.sm90 import compile_sm90, launch_spec, record_launches
+
+    specs = []
+    for trees in (MIXED, [(1, "single")] * 3):  # 16-row tiles; one-row tiles with wide channel blocks
+        parents, cu, max_nodes, lists, slots, xbc, weight, bias, state = _batch(trees, 300, 4, torch.bfloat16, 6)
+        with record_launches(ct._tree_conv1d_kernel) as a:
+            ct.tree_conv1d(xbc, weight, bias, state, parents, cu, slots, max_nodes)
+        specs.append(launch_spec(ct._tree_conv1d_kernel, *a[0]))
+    with record_launches(ct._conv_commit_kernel) as b, record_launches(ct._conv_prefill_kernel) as c:
+        ct.conv_state_commit(state, slots, xbc[None, :3].expand(len(lists), 3, 300).contiguous(),
+                             torch.ones(len(lists), dtype=torch.int32))
+        ct.conv1d_prefill(xbc[:5], weight, bias, state[0])
+    specs += [launch_spec(ct._conv_commit_kernel, *b[0]), launch_spec(ct._conv_prefill_kernel, *c[0])]
+    for spec, result in zip(specs, compile_sm90(specs)):
+        assert result["ok"], (spec["name"], result["error"])
+        assert result["spill_bytes"] == 0, (spec["name"], result)

@@ -1,0 +1,84 @@
+"""ssm_state_commit (Triton, interpreted) vs ssm_state_commit_ref vs the float64 sequential oracle."""
+import random
+
+import pytest
+import torch
+
+from kernels.ssd_tree import tree_ssd_scan
+from kernels.ssm_commit import ssm_state_commit, ssm_state_commit_ref
+from kernels.ssm_decode import ssm_chain_update
+from tests.kernels import tree_cases
+from tests.kernels.ssm_oracle import LIMIT, assert_close, commit_case, on, oracle_commit, tree_case, untouched_slots
+
+
+def check(args, tol):
+    pool0 = args["ssm_state"].clone()
+    expected = oracle_commit(args)
+    slots = args["slot_idx"].long()
+    keep = untouched_slots(pool0, slots)
+    for fn, name in ((ssm_state_commit_ref, "reference"), (ssm_state_commit, "triton")):
+        args["ssm_state"] = pool0.clone()
+        fn(**args)
+        assert_close(args["ssm_state"][slots], expected, tol, f"{name} vs oracle")
+        assert torch.equal(args["ssm_state"][keep], pool0[keep]), f"{name} touched other slots"
+
+
+@pytest.mark.parametrize(
+    "lens,K,H,P,N,G",
+    [([1, 4, 2], 4, 4, 16, 16, 2), ([6, 1], 6, 2, 24, 40, 1), ([3], 3, 4, 8, 16, 4), ([2, 5], 5, 1, 32, 128, 1)],
+)
+def test_matches_oracle(lens, K, H, P, N, G):
+    check(commit_case(lens, K, H, P, N, G, seed=sum(lens) + K), 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_activations(dtype):
+    check(commit_case([3, 1], 3, 4, 16, 32, 2, seed=8, dtype=dtype), 1e-3)
+
+
+def test_large_dt_does_not_overflow():
+    args = commit_case([4, 2], 4, 2, 16, 16, 1, seed=9, dt_scale=12.0, dt_shift=18.0, a_max=60.0)
+    assert args["dt_path"].nan_to_num().max() > 30
+    check(args, 1e-4)
+
+
+def test_commit_then_decode_equals_sequential_decode():
+    commit_then_decode("cpu", H=4, P=16, N=32, G=2, dtype=torch.float32, tol=1e-4)
+
+
+def commit_then_decode(device, H, P, N, G, dtype, tol, seed=21):
+    """Verify a tree, commit a random accepted branch, decode one more token: same as decoding the
+    branch's tokens one by one from the same state (and the tree pass already gave their outputs)."""
+    rng = random.Random(seed)
+    args, lists = tree_case([(12, "random"), (9, "deep")], H, P, N, G, seed=seed, dtype=dtype, slots=4)
+    a = on(args, device)
+    cu = args["cu_seqlens"]
+    y_tree = tree_ssd_scan(**a)
+    paths = [tree_cases.random_branch(p, rng) for p in lists]
+    K = max(len(p) for p in paths)
+    rows = torch.zeros(2, K, dtype=torch.long)
+    for b, path in enumerate(paths):
+        rows[b, : len(path)] = torch.tensor(path) + int(cu[b])
+    rows = rows.to(device)
+    path_len = torch.tensor([len(p) for p in paths], dtype=torch.int32, device=device)
+    x, dt, B, C, z = a["x"], a["dt"], a["B"], a["C"], a["z"]
+    A, D, bias, slot_idx = a["A"], a["D"], a["dt_bias"], a["slot_idx"]
+    committed = a["ssm_state"].clone()
+    ssm_state_commit(committed, slot_idx, x[rows], dt[rows], B[rows], path_len, A, bias, LIMIT)
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    nxt = [torch.randn(2, 1, *shape, generator=gen).to(device, dtype) for shape in ((H, P), (H,), (G, N), (G, N))]
+    y_after = ssm_chain_update(committed, slot_idx, nxt[0], nxt[1], A, nxt[2], nxt[3], D, bias, LIMIT)
+
+    for b, path in enumerate(paths):
+        seq = a["ssm_state"].clone()
+        r = rows[b, : len(path)]
+        one = slot_idx[b : b + 1]
+        y_seq = ssm_chain_update(seq, one, x[r][None], dt[r][None], A, B[r][None], C[r][None], D, bias, LIMIT,
+                                 z=z[r][None])
+        assert_close(y_tree[r], y_seq[0], tol, "tree outputs along the accepted path")
+        y_next = ssm_chain_update(seq, one, *(t[b : b + 1] for t in nxt[:2]), A, *(t[b : b + 1] for t in nxt[2:]), D,
+                                  bias, LIMIT)
+        assert_close(y_after[b], y_next[0], tol, "decode after commit")
+        slot = int(slot_idx[b])
+        assert_close(committed[slot], seq[slot], tol, "state after commit + decode")

@@ -1,0 +1,146 @@
+"""Loading: normalised configs, tokenizer, published-name aliases, and clear errors for bad checkpoints."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from models import CheckpointError, HybridLM
+from tests.checkpoints import make_tokenizer
+from tests.models.hf_zoo import hf_logits, random_prompt
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _tensors(path):
+    (f,) = list(path.glob("*.safetensors"))
+    return f, load_file(str(f))
+
+
+def test_normalised_layer_lists(saved):
+    lm = HybridLM.from_pretrained(saved("nemotron_h")[0])
+    assert lm.config.kinds == ["mamba", "attention", "mlp", "mamba", "moe"]
+    m = lm.config.blocks[0]
+    assert (m.norm_group_size, m.dt_limit[0]) == (m.d_inner // 2, 0.001)
+    assert lm.config.blocks[1].rotary_dim == 0
+    lm = HybridLM.from_pretrained(saved("bamba")[0])
+    assert lm.config.kinds == ["mamba", "mlp", "attention", "mlp"] * 2
+    attn = lm.config.blocks[2]
+    assert attn.rotary_dim == attn.head_dim // 2 and attn.qkv_bias
+    assert lm.config.blocks[0].norm_group_size == lm.config.blocks[0].d_inner
+    lm = HybridLM.from_pretrained(saved("mamba2_tied")[0])
+    assert lm.config.tie_embeddings and not hasattr(lm, "lm_head")
+    assert lm.tokenizer is None
+
+
+def test_tokenizer_is_loaded_when_present(saved, tmp_path):
+    d = _copy(saved("mamba2")[0], tmp_path / "ckpt")
+    make_tokenizer(d, vocab_size=300)
+    lm = HybridLM.from_pretrained(d)
+    assert lm.tokenizer is not None
+    assert lm.tokenizer.decode(lm.tokenizer("def add")["input_ids"]) == "def add"
+
+
+def _prefill_error(path, model, prompt) -> float:
+    lm = HybridLM.from_pretrained(path)
+    s = lm.pool.alloc()
+    return (lm.prefill([s], [prompt])[0] - hf_logits(model, prompt)[-1]).abs().max().item()
+
+
+@pytest.mark.parametrize("arch", ["nemotron_h", "granitemoehybrid", "bamba"])
+def test_in_memory_names_load_the_same(saved, tmp_path, arch):
+    """`save_pretrained` writes the published names (NemotronH `backbone.` and one tensor per
+    expert, Granite `input_linear`/`output_linear`/`router.layer`); a checkpoint holding
+    transformers' in-memory names (`model.`, merged experts) must load the same."""
+    path, model = saved(arch)
+    d = _copy(path, tmp_path / arch)
+    f, published = _tensors(d)
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    if arch != "bamba":
+        assert set(state) != set(published)
+    f.unlink()
+    save_file(state, str(d / "model.safetensors"))
+    assert _prefill_error(d, model, random_prompt(random.Random(0), 8)) < 1e-4
+
+
+def test_mamba2_embedding_alias(saved, tmp_path):
+    path, model = saved("mamba2")
+    d = _copy(path, tmp_path / "m2")
+    f, state = _tensors(d)
+    state = {k.replace("backbone.embeddings.", "backbone.embedding."): v for k, v in state.items()}
+    assert "backbone.embedding.weight" in state
+    save_file(state, str(f))
+    assert _prefill_error(d, model, random_prompt(random.Random(0), 8)) < 1e-4
+
+
+def test_granite_layout(saved):
+    lm = HybridLM.from_pretrained(saved("granitemoehybrid")[0])
+    assert lm.config.kinds == ["mamba", "moe", "attention", "moe"] * 2
+    assert (lm.config.embedding_multiplier, lm.config.residual_multiplier, lm.config.logits_scaling) == (2.0, 0.5, 1.5)
+    assert lm.config.blocks[2].softmax_scale == 0.2 and lm.config.blocks[2].rotary_dim == 8
+
+
+def test_missing_tensor_is_named(saved, tmp_path):
+    d = _copy(saved("bamba")[0], tmp_path / "ckpt")
+    f, state = _tensors(d)
+    del state["model.layers.1.self_attn.k_proj.weight"]
+    save_file(state, str(f))
+    with pytest.raises(CheckpointError, match=r"missing tensor.*model\.layers\.1\.self_attn\.k_proj\.weight"):
+        HybridLM.from_pretrained(d)
+
+
+def test_wrong_shape_is_named(saved, tmp_path):
+    d = _copy(saved("mamba2")[0], tmp_path / "ckpt")
+    f, state = _tensors(d)
+    name = "backbone.layers.0.mixer.A_log"
+    state[name] = torch.zeros(state[name].numel() + 1)
+    save_file(state, str(f))
+    with pytest.raises(CheckpointError, match=r"shape \(5,\).*\(4,\).*model\.safetensors.*A_log") as e:
+        HybridLM.from_pretrained(d)
+    assert e.value.tensor == name and e.value.path.endswith("model.safetensors")
+
+
+def test_unsupported_model_type(saved, tmp_path):
+    d = _copy(saved("mamba2")[0], tmp_path / "ckpt")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"unsupported model_type 'llama'.*bamba, granitemoehybrid, mamba2, nemotron_h.*config\.json"):
+        HybridLM.from_pretrained(d)
+
+
+def test_directory_without_config_or_weights(saved, tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        HybridLM.from_pretrained(tmp_path)
+    d = _copy(saved("mamba2")[0], tmp_path / "ckpt")
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        HybridLM.from_pretrained(d)
+
+
+def test_unsupported_activation(saved, tmp_path):
+    d = _copy(saved("nemotron_h")[0], tmp_path / "ckpt")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["mamba_hidden_act"] = "gelu"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="activation 'gelu'"):
+        HybridLM.from_pretrained(d)
+
+
+@pytest.mark.parametrize("arch", ["bamba", "nemotron_h"])
+def test_random_weights_from_a_config(arch):
+    from tests.models.hf_zoo import _config
+
+    lm = HybridLM.from_config(_config(arch), seed=3)
+    s = lm.pool.alloc()
+    out = lm.prefill([s], [[1, 2, 3, 4]])
+    out = torch.cat([out, lm.decode([s], [5])])
+    assert torch.isfinite(out).all() and out.std() > 0

@@ -1,0 +1,42 @@
+"""The runtime on the Triton kernels (interpreted on CPU): strided per-layer state views, the
+all-layers-at-once commit, and every mode against transformers."""
+from __future__ import annotations
+
+import random
+
+from models import HybridLM
+from tests.kernels import interpret_compat
+from tests.models.hf_zoo import hf_logits, random_prompt
+from tests.models.trees import random_tree
+
+
+def test_all_modes_on_triton_kernels(saved, monkeypatch):
+    interpret_compat.install()
+    path, model = saved("nemotron_h")
+    lm = HybridLM.from_pretrained(path, max_slots=2, max_len=40)
+    monkeypatch.setenv("TREESERVE_KERNELS", "triton")
+    rng = random.Random(9)
+    seqs = [random_prompt(rng, 18), random_prompt(rng, 4)]
+    slots = [lm.pool.alloc(), lm.pool.alloc()]
+
+    def check(out, what):
+        for b in range(2):
+            err = (out[b] - hf_logits(model, seqs[b])[-1]).abs().max().item()
+            assert err < 1e-4, f"{what} seq {b}: {err:.3g}"
+
+    check(lm.prefill(slots, seqs), "prefill")
+    seqs = [s + [t] for s, t in zip(seqs, (3, 4))]
+    check(lm.decode(slots, [3, 4]), "decode")
+    trees = [random_tree(rng, 5, 7, "random"), random_tree(rng, 6, 4, "chain")]
+    res = lm.verify(slots, trees)
+    for b, t in enumerate(trees):
+        for leaf in t.leaves():
+            branch = t.path_to(leaf)
+            ref = hf_logits(model, seqs[b] + t.tokens_along(branch))
+            for d, node in enumerate(branch):
+                err = (res.logits[res.offsets[b] + node] - ref[len(seqs[b]) + d]).abs().max().item()
+                assert err < 1e-4, f"verify tree {b} node {node}: {err:.3g}"
+    paths = [t.path_to(t.size - 1) for t in trees]
+    lm.commit([(res.pending[b], p) for b, p in enumerate(paths)])
+    seqs = [s + t.tokens_along(p) + [7] for s, t, p in zip(seqs, trees, paths)]
+    check(lm.decode(slots, [7, 7]), "decode after commit")

@@ -1,0 +1,13 @@
+"""The Verifier service: owns the target model, verifies token trees for many sequences at once.
+
+Modules, each with one job:
+  limits     the configured limits
+  sequences  the sequence table and the idempotent commit rule
+  results    per-node answers computed next to the logits (argmax, seeded samples, the walk)
+  engine     every operation on the model and the table (single-threaded)
+  batcher    the model thread: continuous batching of Verify items, serial Prefill/Commit/Release
+  servicer   the gRPC edge: decode, validate, hand over, encode
+  metrics    Prometheus counters and histograms
+  client     a typed client for the orchestrator
+  cli        `treeserve verifier`
+"""

@@ -1,0 +1,366 @@
+"""Verifier service benchmark: verified tree nodes/s and step latency against concurrent sequences,
+and what gRPC + batching add on top of the model's own work.
+
+    python -m bench.verifier_service --shape mamba2-2.7b --out verifier.json
+    python -m bench.verifier_service --model DIR --out verifier.json        # an existing checkpoint
+
+Without --model, a random-weight bf16 checkpoint of the shape is written to a temporary directory
+(config.json + one safetensors file; no tokenizer). The verifier runs as a separate process
+(`treeserve verifier`, CUDA graphs as the runtime decides), the load generator in this one.
+
+Two ways to load it, each with 1, 4, 16 and 64 sequences and 16-node trees:
+  clients   one thread per sequence, each sending its own Verify call per step (the server's
+            batching window packs them into shared forwards);
+  batched   one Verify call per step carrying every sequence (what the orchestrator's engine
+            loop sends).
+Every step carries the piggy-backed commit of the previous tree (a random root path of at most 4
+nodes), so state moves as in real decoding.
+
+Per step we record the call's wall time (request prebuilt, so only the call is timed) and the
+server's `forward_ms` (commits + forward + per-node results, measured on the model thread after
+the device has finished). overhead = wall - forward_ms is everything gRPC, the queue handoff and
+the batching window add (in `clients` mode with several sequences it also holds the time a call
+waits behind forwards it did not ride in). Target: median overhead <= 10% of the step at one
+sequence. Medians after warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+TREE_NODES = 16
+PROMPT = 128
+MAX_COMMIT = 4  # nodes per committed path
+
+
+# ---- the checkpoint ---------------------------------------------------------------------------
+def hf_config(shape: str, layers: int | None):
+    from transformers import BambaConfig, Mamba2Config
+
+    if shape == "mamba2-2.7b":
+        return Mamba2Config(
+            hidden_size=2560, num_hidden_layers=layers or 64, num_heads=80, head_dim=64, state_size=128,
+            n_groups=1, expand=2, conv_kernel=4, vocab_size=50288, tie_word_embeddings=False,
+            chunk_size=256, eos_token_id=0, pad_token_id=0, bos_token_id=0,
+        )
+    if shape == "hybrid-8b":
+        n = layers or 32
+        return BambaConfig(
+            hidden_size=4096, num_hidden_layers=n, attn_layer_indices=list(range(1, n, 2)),
+            num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+            mamba_n_heads=32, mamba_d_head=128, mamba_n_groups=8, mamba_d_state=128, mamba_expand=1,
+            mamba_d_conv=4, mamba_chunk_size=256, vocab_size=128256, eos_token_id=0, pad_token_id=0,
+            max_position_embeddings=8192,
+        )
+    if shape == "mamba2-tiny":  # smoke runs on a CPU
+        return Mamba2Config(
+            hidden_size=128, num_hidden_layers=layers or 2, num_heads=8, head_dim=32, state_size=16,
+            n_groups=1, expand=2, conv_kernel=4, vocab_size=512, tie_word_embeddings=False, chunk_size=64,
+            eos_token_id=0, pad_token_id=0, bos_token_id=0,
+        )
+    raise SystemExit(f"unknown shape {shape}")
+
+
+def write_checkpoint(shape: str, layers: int | None, out: pathlib.Path, device: str) -> None:
+    """Random bf16 weights with the usual Mamba2 conventions (A_log = log(1..H), D, dt_bias and
+    norms 1, biases 0, everything else N(0, 0.02)), drawn on `device`, saved as safetensors."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(shape, layers)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
+    gen = torch.Generator(device=device).manual_seed(0)
+    tensors = {}
+    for name, shp in shapes.items():
+        if name.endswith("A_log"):
+            t = torch.log(torch.arange(1, shp.numel() + 1, dtype=torch.float32, device=device)).view(shp)
+        elif name.endswith(("dt_bias", ".D")) or "norm" in name:
+            t = torch.ones(shp, device=device)
+        elif name.endswith("bias"):
+            t = torch.zeros(shp, device=device)
+        else:
+            t = torch.empty(shp, device=device, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen)
+        tensors[name] = t.to(torch.bfloat16).contiguous().cpu()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg.save_pretrained(out)
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the server process needs the memory, not this one
+
+
+# ---- the server process -----------------------------------------------------------------------
+class Server:
+    def __init__(self, model: pathlib.Path, device: str, dtype: str, max_sequences: int, max_len: int, log_path: str,
+                 extra: list[str]):
+        cmd = [
+            sys.executable, "-m", "treeserve.cli", "verifier", "--model", str(model), "--device", device,
+            "--dtype", dtype, "--port", "0", "--max-sequences", str(max_sequences), "--max-tree-nodes",
+            str(TREE_NODES), "--max-sequence-length", str(max_len), "--max-batch", str(max_sequences),
+            "--idle-timeout-s", "0", *extra,
+        ]
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(1200)
+        if not line or not line[0].startswith("verifier listening on "):
+            self.stop()
+            raise SystemExit(f"verifier did not start: {line!r}\n{open(log_path).read()[-4000:]}")
+        self.address = line[0].split()[-1]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+
+
+# ---- load generation --------------------------------------------------------------------------
+def random_tree(rng: random.Random, root: int, vocab: int):
+    """16 nodes, parents among the last few (bushy, depth about a third of the size)."""
+    from treeserve.tree import TokenTree
+
+    parents = [-1] + [rng.randrange(max(0, i - 3), i) for i in range(1, TREE_NODES)]
+    tokens = [root]
+    used = set()
+    for i in range(1, TREE_NODES):
+        t = rng.randrange(vocab)
+        while (parents[i], t) in used:
+            t = rng.randrange(vocab)
+        used.add((parents[i], t))
+        tokens.append(t)
+    return TokenTree(tuple(tokens), tuple(parents))
+
+
+class Sequence:
+    """One sequence's step loop state: builds the next request item and consumes its result."""
+
+    def __init__(self, sid: str, rng: random.Random, vocab: int, length: int, root: int):
+        self.sid, self.rng, self.vocab = sid, rng, vocab
+        self.length, self.root = length, root
+        self.commit = None
+        self.tree = None
+
+    def item(self):
+        from treeserve.tree import tree_to_proto
+        from treeserve.v1 import treeserve_pb2 as pb
+
+        self.tree = random_tree(self.rng, self.root, self.vocab)
+        msg = pb.VerifyItem(sequence_id=self.sid, committed_length=self.length, tree=tree_to_proto(self.tree))
+        if self.commit is not None:
+            msg.commit.CopyFrom(self.commit)
+        return msg
+
+    def advance(self, result) -> None:
+        from treeserve.v1 import treeserve_pb2 as pb
+
+        if result.HasField("error"):
+            raise RuntimeError(f"{self.sid}: {result.error.message}")
+        depth = self.tree.depths()
+        node = self.rng.choice([i for i in range(self.tree.size) if depth[i] < MAX_COMMIT])
+        path = self.tree.path_to(node)
+        self.commit = pb.Commit(committed_length=self.length, accepted_nodes=path)
+        self.length += len(path)
+        self.root = int(result.target_tokens[node])
+
+
+def prefill_all(client, n: int, vocab: int, tag: str, seed: int) -> list[Sequence]:
+    seqs = []
+    for k in range(n):
+        rng = random.Random(seed * 1000 + k)
+        sid = f"{tag}-{k}"
+        L, root = client.prefill(sid, [rng.randrange(vocab) for _ in range(PROMPT)])
+        seqs.append(Sequence(sid, rng, vocab, L, root))
+    return seqs
+
+
+def run_clients(address: str, seqs: list[Sequence], warmup: int, steps: int) -> dict:
+    """One thread and one channel per sequence; every thread times its own calls."""
+    from treeserve.v1 import treeserve_pb2 as pb
+    from verifier_service.client import VerifierClient
+
+    n = len(seqs)
+    gate = threading.Barrier(n)
+    samples: list[list[tuple[float, float, int]]] = [[] for _ in range(n)]
+    spans: list[tuple[float, float]] = [(0.0, 0.0)] * n
+    errors: list[BaseException] = []
+
+    def loop(k: int) -> None:
+        try:
+            with VerifierClient(address, timeout=600) as c:
+                seq = seqs[k]
+                for phase, count in (("warm", warmup), ("measure", steps)):
+                    gate.wait(600)
+                    t_start = time.perf_counter()
+                    for _ in range(count):
+                        req = pb.VerifyRequest(items=[seq.item()])
+                        t = time.perf_counter()
+                        resp = c.verify_raw(req)
+                        wall = (time.perf_counter() - t) * 1e3
+                        seq.advance(resp.results[0])
+                        if phase == "measure":
+                            samples[k].append((wall, resp.forward_ms, resp.batch_sequences))
+                    spans[k] = (t_start, time.perf_counter())
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            errors.append(exc)
+            gate.abort()
+
+    threads = [threading.Thread(target=loop, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    elapsed = max(s[1] for s in spans) - min(s[0] for s in spans)
+    return summarise([x for s in samples for x in s], n * steps * TREE_NODES / elapsed)
+
+
+def run_batched(client, seqs: list[Sequence], warmup: int, steps: int) -> dict:
+    """One call per step with every sequence in it."""
+    from treeserve.v1 import treeserve_pb2 as pb
+
+    samples = []
+    t_start = 0.0
+    for i in range(warmup + steps):
+        if i == warmup:
+            t_start = time.perf_counter()
+        req = pb.VerifyRequest(items=[s.item() for s in seqs])
+        t = time.perf_counter()
+        resp = client.verify_raw(req, timeout=600)
+        wall = (time.perf_counter() - t) * 1e3
+        for s, r in zip(seqs, resp.results):
+            s.advance(r)
+        if i >= warmup:
+            samples.append((wall, resp.forward_ms, resp.batch_sequences))
+    elapsed = time.perf_counter() - t_start
+    return summarise(samples, len(seqs) * steps * TREE_NODES / elapsed)
+
+
+def summarise(samples: list[tuple[float, float, int]], nodes_per_s: float) -> dict:
+    wall = [s[0] for s in samples]
+    fwd = [s[1] for s in samples]
+    over = [s[0] - s[1] for s in samples]
+    step = statistics.median(wall)
+    return {
+        "nodes_per_s": nodes_per_s,
+        "step_ms_median": step,
+        "step_ms_p90": sorted(wall)[int(0.9 * (len(wall) - 1))],
+        "forward_ms_median": statistics.median(fwd),
+        "overhead_ms_median": statistics.median(over),
+        "overhead_frac": statistics.median(over) / step,
+        "batch_sequences_median": statistics.median(s[2] for s in samples),
+        "batch_sequences_max": max(s[2] for s in samples),
+        "samples": len(samples),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="mamba2-2.7b", choices=["mamba2-2.7b", "hybrid-8b", "mamba2-tiny"])
+    ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers (the report says so)")
+    ap.add_argument("--model", default=None, help="an existing checkpoint directory instead of random weights")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default=None, help="bf16 on cuda, fp32 on cpu by default")
+    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--modes", default="clients,batched")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--server-args", default="", help="more `treeserve verifier` options, e.g. '--cuda-graphs off'")
+    args = ap.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    levels = [int(x) for x in args.concurrency.split(",")]
+    modes = args.modes.split(",")
+    dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    t0 = time.time()
+    tmp = tempfile.TemporaryDirectory(prefix="verifier-bench-")
+    model = pathlib.Path(args.model) if args.model else pathlib.Path(tmp.name) / "model"
+    if not args.model:
+        model.mkdir()
+        write_checkpoint(args.shape, args.layers, model, args.device)
+    report = {
+        "shape": args.shape if not args.model else None,
+        "model": str(model) if args.model else None,
+        "layers": args.layers or "all",
+        "device": args.device,
+        "dtype": dtype,
+        "tree_nodes": TREE_NODES,
+        "prompt": PROMPT,
+        "server_args": args.server_args,
+        "checkpoint_s": time.time() - t0,
+    }
+    try:
+        import torch
+
+        if args.device.startswith("cuda"):
+            report["gpu"] = torch.cuda.get_device_name()
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    max_seq = max(levels)
+    max_len = PROMPT + (args.warmup + args.steps + 2) * MAX_COMMIT * len(modes) + 2 * TREE_NODES
+    t = time.time()
+    server = Server(model, args.device, dtype, max_seq, max_len, os.path.join(tmp.name, "verifier.log"),
+                    args.server_args.split())
+    report["server_start_s"] = time.time() - t
+    rows = []
+    try:
+        from verifier_service.client import VerifierClient
+
+        with VerifierClient(server.address, timeout=600) as client:
+            vocab = client.stats().vocab_size
+            for mode in modes:
+                for n in levels:
+                    seqs = prefill_all(client, n, vocab, f"{mode}{n}", seed=n)
+                    if mode == "clients":
+                        r = run_clients(server.address, seqs, args.warmup, args.steps)
+                    else:
+                        r = run_batched(client, seqs, args.warmup, args.steps)
+                    for s in seqs:
+                        client.release(s.sid)
+                    r.update(mode=mode, sequences=n)
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+            report["stats"] = {
+                k: getattr(client.stats(), k) for k in ("forward_passes", "verified_nodes", "mean_forward_ms")
+            }
+    finally:
+        server.stop()
+        if os.path.exists(server.log_path):
+            report["server_log_tail"] = open(server.log_path).read()[-2000:]
+    report["results"] = rows
+    solo = [r for r in rows if r["sequences"] == 1]
+    if solo:
+        report["overhead_frac_batch1"] = min(r["overhead_frac"] for r in solo)
+        report["overhead_target_met"] = report["overhead_frac_batch1"] <= 0.10
+    report["total_s"] = time.time() - t0
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\n{'mode':8s} {'seqs':>4s} {'nodes/s':>10s} {'step ms':>8s} {'p90 ms':>8s} {'fwd ms':>8s} "
+          f"{'overhead ms':>11s} {'ovh %':>6s} {'batch':>5s}")
+    for r in rows:
+        print(f"{r['mode']:8s} {r['sequences']:4d} {r['nodes_per_s']:10.0f} {r['step_ms_median']:8.2f} "
+              f"{r['step_ms_p90']:8.2f} {r['forward_ms_median']:8.2f} {r['overhead_ms_median']:11.3f} "
+              f"{100 * r['overhead_frac']:5.1f}% {r['batch_sequences_median']:5.0f}")
+    if solo:
+        print(f"overhead at one sequence: {100 * report['overhead_frac_batch1']:.1f}% of the step "
+              f"(target <= 10%: {'met' if report['overhead_target_met'] else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    main()

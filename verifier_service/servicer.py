@@ -1,0 +1,222 @@
+"""The Verifier gRPC service: decode and check requests at the edge, hand the work to the model
+thread, encode the answers. Nothing here touches the model."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import grpc
+
+from treeserve.errors import InvalidArgument, ServeError, item_error, status_of
+from treeserve.sampling import Sampling
+from treeserve.server import Server, grpc_errors
+from treeserve.tree import TreeError, tree_from_proto
+from treeserve.v1 import treeserve_pb2 as pb
+from treeserve.v1 import treeserve_pb2_grpc as pbg
+from verifier_service.batcher import Batcher
+from verifier_service.engine import Engine, VerifyWork
+from verifier_service.limits import MAX_SEQUENCE_ID_BYTES, MAX_TOP_LOGPROBS, Limits
+from verifier_service.metrics import metrics
+
+
+class DeadlineExceeded(ServeError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def _counted(method):
+    """Count a failed call under its status code (the grpc_errors boundary then reports it)."""
+
+    @functools.wraps(method)
+    def call(self, request, context):
+        try:
+            return method(self, request, context)
+        except Exception as exc:
+            metrics().error(status_of(exc)[0])
+            raise
+
+    return call
+
+
+def check_sequence_id(sequence_id: str) -> str:
+    if not sequence_id:
+        raise InvalidArgument("sequence_id is empty")
+    if len(sequence_id.encode()) > MAX_SEQUENCE_ID_BYTES:
+        raise InvalidArgument(f"sequence_id is longer than {MAX_SEQUENCE_ID_BYTES} bytes")
+    return sequence_id
+
+
+def sampling_from(msg) -> Sampling:
+    try:
+        return Sampling.from_proto(msg)
+    except ValueError as exc:
+        raise InvalidArgument(f"sampling: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What Stats reports about the loaded model."""
+
+    name: str
+    device: str
+    eos_token_ids: tuple[int, ...]
+
+
+class VerifierServicer(pbg.VerifierServicer):
+    def __init__(self, engine: Engine, batcher: Batcher, info: ModelInfo):
+        self._engine = engine
+        self._batcher = batcher
+        self._limits: Limits = engine.limits
+        self._vocab = engine.vocab_size
+        self._info = info
+
+    def _wait(self, future, context):
+        remaining = context.time_remaining()
+        try:
+            return future.result(timeout=remaining)
+        except TimeoutError as exc:
+            raise DeadlineExceeded("deadline passed while waiting for the model") from exc
+
+    # ---- sequences ----------------------------------------------------------------------
+    @grpc_errors
+    @_counted
+    def Prefill(self, request, context):
+        sid = check_sequence_id(request.sequence_id)
+        prompt = tuple(request.prompt_tokens)
+        if not prompt:
+            raise InvalidArgument("prompt_tokens is empty")
+        if len(prompt) >= self._limits.max_sequence_length:
+            raise InvalidArgument(
+                f"prompt of {len(prompt)} tokens leaves no room below the maximum sequence length "
+                f"{self._limits.max_sequence_length}"
+            )
+        bad = next((t for t in prompt if not 0 <= t < self._vocab), None)
+        if bad is not None:
+            raise InvalidArgument(f"prompt token {bad} outside the vocabulary [0, {self._vocab})")
+        s = sampling_from(request.sampling)
+        fut = self._batcher.submit(self._engine.prefill, sid, prompt, s, alive=context.is_active)
+        length, token = self._wait(fut, context)
+        return pb.PrefillResponse(committed_length=length, next_token=token)
+
+    @grpc_errors
+    @_counted
+    def Commit(self, request, context):
+        sid = check_sequence_id(request.sequence_id)
+        if not request.HasField("commit"):
+            raise InvalidArgument("commit is missing")
+        c = request.commit
+        fut = self._batcher.submit(
+            self._engine.commit, sid, int(c.committed_length), tuple(c.accepted_nodes), alive=context.is_active
+        )
+        return pb.CommitResponse(committed_length=self._wait(fut, context))
+
+    @grpc_errors
+    @_counted
+    def Release(self, request, context):
+        sid = check_sequence_id(request.sequence_id)
+        fut = self._batcher.submit(self._engine.release, sid, alive=context.is_active)
+        return pb.ReleaseResponse(released=self._wait(fut, context))
+
+    # ---- verification -------------------------------------------------------------------
+    def _decode_item(self, item) -> VerifyWork:
+        sid = check_sequence_id(item.sequence_id)
+        if not 0 <= item.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {item.top_logprobs}")
+        try:
+            tree = tree_from_proto(item.tree, self._vocab, self._limits.max_tree_nodes)
+        except TreeError as exc:
+            raise InvalidArgument(f"sequence {sid!r}: malformed tree: {exc}") from exc
+        commit = None
+        if item.HasField("commit"):
+            commit = (int(item.commit.committed_length), tuple(item.commit.accepted_nodes))
+        return VerifyWork(sid, int(item.committed_length), tree, commit, int(item.top_logprobs))
+
+    @grpc_errors
+    @_counted
+    def Verify(self, request, context):
+        ids = [it.sequence_id for it in request.items]
+        if len(set(ids)) != len(ids):
+            dup = next(s for s in ids if ids.count(s) > 1)
+            raise InvalidArgument(f"sequence {dup!r} appears more than once in one request")
+        errors: dict[int, BaseException] = {}
+        works: list[VerifyWork] = []
+        where: list[int] = []
+        for i, item in enumerate(request.items):
+            try:
+                works.append(self._decode_item(item))
+                where.append(i)
+            except ServeError as exc:
+                errors[i] = exc
+        reply = self._wait(self._batcher.verify(works, alive=context.is_active), context)
+        outputs = dict(zip(where, reply.outputs))
+        resp = pb.VerifyResponse(forward_ms=reply.forward_ms, batch_sequences=reply.batch_sequences)
+        m = metrics()
+        for i, item in enumerate(request.items):
+            r = resp.results.add(sequence_id=item.sequence_id)
+            out = outputs.get(i)
+            exc = errors.get(i) if out is None else out.error
+            if exc is not None:
+                r.error.CopyFrom(item_error(exc))
+                m.error(status_of(exc)[0])
+                continue
+            res = out.result
+            r.committed_length = out.committed_length
+            r.target_tokens.extend(res.target_tokens)
+            if res.walk is not None:
+                r.walk.CopyFrom(res.walk.to_proto())
+            for toks, lps in res.top_logprobs:
+                r.top_logprobs.add(tokens=toks, logprobs=lps)
+        return resp
+
+    # ---- statistics ---------------------------------------------------------------------
+    @grpc_errors
+    def Stats(self, request, context):
+        e = self._engine
+        passes = e.forward_passes
+        return pb.VerifierStats(
+            model=self._info.name,
+            vocab_size=self._vocab,
+            eos_token_ids=self._info.eos_token_ids,
+            max_sequences=self._limits.max_sequences,
+            active_sequences=len(e.table),
+            max_tree_nodes=self._limits.max_tree_nodes,
+            max_sequence_length=self._limits.max_sequence_length,
+            verified_nodes=e.verified_nodes,
+            forward_passes=passes,
+            mean_forward_ms=e.forward_ms_total / passes if passes else 0.0,
+            device=self._info.device,
+        )
+
+
+def eos_ids(lm) -> tuple[int, ...]:
+    """End-of-sequence ids from the config and the tokenizer, deduplicated, config first."""
+    ids: list[int] = []
+    cfg = getattr(lm.config, "eos_token_id", None)
+    if isinstance(cfg, int):
+        ids.append(cfg)
+    elif cfg:
+        ids.extend(int(t) for t in cfg)
+    tok = getattr(lm, "tokenizer", None)
+    if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+        ids.append(int(tok.eos_token_id))
+    return tuple(dict.fromkeys(ids))
+
+
+class VerifierServer:
+    """A running Verifier: model thread + gRPC server. `stop()` shuts both down."""
+
+    def __init__(self, lm, limits: Limits, address: str, info: ModelInfo, auth_token: str | None = None):
+        self.engine = Engine(lm, limits.validate())
+        self.batcher = Batcher(self.engine, limits, device=info.device).start()
+        self.server = Server(address, max_workers=max(32, 2 * limits.max_sequences + 8), auth_token=auth_token)
+        self.server.add(pbg.add_VerifierServicer_to_server, VerifierServicer(self.engine, self.batcher, info), "Verifier")
+        self.server.start()
+        self.port = self.server.port
+
+    def wait(self) -> None:
+        """Serve until SIGTERM/SIGINT."""
+        self.server.wait()
+        self.batcher.stop()
+
+    def stop(self) -> None:
+        self.server.stop(grace=1.0)
+        self.batcher.stop()

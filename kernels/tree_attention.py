@@ -109,13 +109,13 @@ def kv_commit_ref(k_cache, v_cache, slot_idx, cache_lens, path_nodes, path_len):
 @triton.jit
 def _tree_attn_kernel(
     q_ptr, k_ptr, v_ptr, parents_ptr, cu_ptr, slot_ptr, lens_ptr, out_ptr, ws_acc_ptr, ws_ml_ptr,
-    qk_scale, T, Hkv,
+    qk_scale, T, Hkv, num_splits,
     stride_qt, stride_qh,
     stride_ks, stride_kl, stride_kh,
     stride_vs, stride_vl, stride_vh,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, DH: tl.constexpr, BLOCK_DH: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_KV: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_KV: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):
     BLOCK_T: tl.constexpr = BLOCK_M // GROUP_P
     tile = tl.program_id(0)
@@ -147,7 +147,7 @@ def _tree_attn_kernel(
     kv = tl.arange(0, BLOCK_KV)
 
     # this split's share of the prefix, in whole blocks
-    per_split = tl.cdiv(tl.cdiv(L, BLOCK_KV), NUM_SPLITS) * BLOCK_KV
+    per_split = tl.cdiv(tl.cdiv(L, BLOCK_KV), num_splits) * BLOCK_KV
     lo = split * per_split
     hi = tl.minimum(lo + per_split, L)
     hi = tl.where(tile * BLOCK_T < n, hi, lo)  # tiles past a smaller tree's end have no rows: skip the prefix
@@ -173,7 +173,7 @@ def _tree_attn_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
         m_i = m_new
 
-    if split == NUM_SPLITS - 1:
+    if split == num_splits - 1:
         cur = tl.where(row_ok, node, -1)  # walk position (local node), -1 past the root
         # tree keys past the tile's last node cannot be ancestors of its rows
         n_blocks = tl.cdiv(tl.minimum(n, (tile + 1) * BLOCK_T), BLOCK_KV)
@@ -206,12 +206,12 @@ def _tree_attn_kernel(
             m_i = m_new
 
     out_mask = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + qrow[:, None] * stride_ot + head[:, None] * stride_oh + dd[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        ws_row = (split * T + qrow) * (Hkv * GROUP) + head  # workspace (NUM_SPLITS, T, Hq, ...)
+        ws_row = (split * T + qrow) * (Hkv * GROUP) + head  # workspace (num_splits, T, Hq, ...)
         tl.store(ws_acc_ptr + ws_row[:, None] * DH + dd[None, :], acc, mask=out_mask)
         tl.store(ws_ml_ptr + ws_row * 2, m_i, mask=row_ok)
         tl.store(ws_ml_ptr + ws_row * 2 + 1, l_i, mask=row_ok)
@@ -219,9 +219,9 @@ def _tree_attn_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    ws_acc_ptr, ws_ml_ptr, out_ptr, T, Hq,
+    ws_acc_ptr, ws_ml_ptr, out_ptr, T, Hq, num_splits,
     stride_ot, stride_oh,
-    DH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
@@ -231,7 +231,7 @@ def _merge_splits_kernel(
     m = tl.full((BLOCK_H,), -1.0e30, tl.float32)
     l = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_DH), tl.float32)
-    for s in range(NUM_SPLITS):
+    for s in range(0, num_splits):
         row = (s * T + t) * Hq + h
         ms = tl.load(ws_ml_ptr + row * 2, mask=h_ok, other=-1.0e30)
         ls = tl.load(ws_ml_ptr + row * 2 + 1, mask=h_ok, other=0.0)
@@ -327,19 +327,19 @@ def tree_attention(q, k_cache, v_cache, parents, cu_seqlens, slot_idx, cache_len
     grid = (tiles, B * Hkv, num_splits)
     _tree_attn_kernel[grid](
         q, k_cache, v_cache, parents, cu_seqlens, slot_idx, cache_lens, out, ws_acc, ws_ml,
-        float(scale) * math.log2(math.e), T, Hkv,
+        float(scale) * math.log2(math.e), T, Hkv, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_P=GROUP_P, DH=Dh, BLOCK_DH=BLOCK_DH,
-        BLOCK_M=BLOCK_M, BLOCK_KV=BLOCK_KV, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
+        BLOCK_M=BLOCK_M, BLOCK_KV=BLOCK_KV, SPLIT=num_splits > 1, IEEE=q.dtype == torch.float32,
         num_warps=cfg["num_warps"],
     )
     if num_splits > 1:
         _merge_splits_kernel[(T,)](
-            ws_acc, ws_ml, out, T, Hq, out.stride(0), out.stride(1),
-            DH=Dh, BLOCK_H=triton.next_power_of_2(Hq), BLOCK_DH=BLOCK_DH, NUM_SPLITS=num_splits,
+            ws_acc, ws_ml, out, T, Hq, num_splits, out.stride(0), out.stride(1),
+            DH=Dh, BLOCK_H=triton.next_power_of_2(Hq), BLOCK_DH=BLOCK_DH,
             num_warps=4,
         )
     return out

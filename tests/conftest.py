@@ -12,6 +12,11 @@ import torch  # noqa: E402  (torch defines no Triton kernels: safe before TRITON
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 torch.set_num_threads(1)
 
+if os.environ["TRITON_INTERPRET"] == "1":
+    from tests.kernels import interpret_compat
+
+    interpret_compat.install()
+
 import pytest  # noqa: E402
 
 

@@ -1,5 +1,7 @@
 """Tree conv and tree attention kernels on CUDA at model sizes, bf16, against their PyTorch twins and a
-float64 oracle. Skipped without CUDA.
+float64 oracle. Skipped without CUDA, and under the interpreter. Run with compiled Triton:
+
+    TRITON_INTERPRET=0 python -m pytest -q tests/gpu/test_conv_attn_gpu.py
 
 Tolerances (bf16 inputs, fp32 accumulation on both sides, outputs rounded to bf16):
 - conv outputs: atol 1e-2, rtol 1e-2 (one bf16 rounding of |y| <~ 10 is <= 0.04 absolute; SiLU values
@@ -11,6 +13,7 @@ Tolerances (bf16 inputs, fp32 accumulation on both sides, outputs rounded to bf1
 from __future__ import annotations
 
 import math
+import os
 import random
 
 import pytest
@@ -21,7 +24,10 @@ from kernels import conv_tree as ct
 from kernels import tree_attention as ta
 from tests.kernels.tree_cases import packed_batch, path_to, random_branch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="run with TRITON_INTERPRET=0"),
+]
 
 DEV = "cuda"
 BF = torch.bfloat16

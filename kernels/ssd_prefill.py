@@ -81,7 +81,7 @@ def ssd_prefill_ref(x, dt, A, B, C, D, dt_bias, dt_limit, initial_state=None, z=
 
 
 @triton.jit
-def _chunk_dA(dt_ptr, bias, A, q0, offs_q, Lx, h, sdt_t, sdt_h, dt_lo, dt_hi):
+def _chunk_dA(dt_ptr, bias, A, offs_q, Lx, h, sdt_t, sdt_h, dt_lo, dt_hi):
     """Activated dt and dA = dt * A of a chunk's positions (zero past the sequence end)."""
     q_ok = offs_q < Lx
     dt = tl.load(dt_ptr + offs_q.to(tl.int64) * sdt_t + h * sdt_h, mask=q_ok, other=0.0).to(tl.float32)
@@ -110,7 +110,7 @@ def _chunk_state_kernel(
     bias = tl.load(bias_ptr + h).to(tl.float32)
     offs_q = c * Q + tl.arange(0, Q)
     q_ok = offs_q < Lx
-    dt, dA = _chunk_dA(dt_ptr, bias, A, c * Q, offs_q, Lx, h, sdt_t, sdt_h, dt_lo, dt_hi)
+    dt, dA = _chunk_dA(dt_ptr, bias, A, offs_q, Lx, h, sdt_t, sdt_h, dt_lo, dt_hi)
     # float64 running sums: total - prefix stays exact however negative the chunk's dA gets
     cs = tl.cumsum(dA.to(tl.float64), axis=0)
     total = tl.sum(dA.to(tl.float64), axis=0)
@@ -198,7 +198,7 @@ def _chunk_scan_kernel(
         ch += tl.dot(cq, tl.trans(hin), input_precision=PREC)
         cb += tl.dot(cq, tl.trans(bq), input_precision=PREC)
 
-    dt, dA = _chunk_dA(dt_ptr, bias, A, c * Q, offs_q, Lx, h, sdt_t, sdt_h, dt_lo, dt_hi)
+    dt, dA = _chunk_dA(dt_ptr, bias, A, offs_q, Lx, h, sdt_t, sdt_h, dt_lo, dt_hi)
     cs = tl.cumsum(dA.to(tl.float64), axis=0)
     seg = (cs[:, None] - cs[None, :]).to(tl.float32)  # float64 difference: exact for any |dA|
     causal = tl.arange(0, Q)[None, :] <= tl.arange(0, Q)[:, None]

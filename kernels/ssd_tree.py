@@ -228,7 +228,7 @@ def tree_ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, sl
         *ssm_state.stride(), *zt.stride(), *y.stride(),
         P=P, N=N, ROW_TILES=bn // bi, BI=bi, BP=bp, BN=min(N_CHUNK, pow2(N)),
         HAS_D=D is not None, HAS_Z=z is not None, PREC=dot_precision(x.dtype),
-        num_warps=8 if bi * bp >= 64 * 64 else 4,
+        num_warps=8,  # fewer registers per thread for the (nodes x nodes) and (nodes x headdim) tiles
         num_stages=1,
     )
     return y

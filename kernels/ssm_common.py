@@ -53,9 +53,12 @@ def pow2(n: int, least: int = 16) -> int:
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """Triton dot precision for fp32-converted operands: tf32 is exact for products of bf16/fp16 inputs
-    (their mantissas fit), while genuine fp32 inputs get full ieee fp32."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """Triton dot precision for operands converted to fp32. With bf16/fp16 activations one tf32 pass:
+    C.B^T of raw inputs is exact (their mantissas fit in tf32), computed operands (decays, dt * x,
+    the fp32 state) are rounded to 10 mantissa bits, below the activations' own rounding. fp32
+    activations get three tf32 passes, about fp32 accuracy (the ieee FMA path spills registers
+    badly at these tile sizes)."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:

@@ -6,7 +6,7 @@ Run on a GPU machine with compiled (not interpreted) Triton:
 
 Tolerances (elementwise, |err| <= tol * (|expected| + max|expected|)): bf16 activations 1e-2 against the
 float64 oracle run on the same bf16-rounded inputs (bf16 output rounding is 4e-3; tf32 products inside);
-fp32 activations 1e-4 (ieee products). `test_kernels_compile_for_h100` needs no GPU: it compiles every
+fp32 states 1e-3 (5e-3 for prefill's chunk-state products); fp32 activations 1e-4 (3-pass tf32 products). `test_kernels_compile_for_h100` needs no GPU: it compiles every
 SSM kernel for sm_90 on whatever machine runs it.
 """
 import os
@@ -41,6 +41,7 @@ from tests.kernels.test_ssm_commit import commit_then_decode
 SHAPES = {"mamba2-2.7b": (80, 64, 128, 1), "hybrid-8b": (32, 128, 128, 32)}
 BF16_TOL = 1e-2
 FP32_TOL = 1e-4
+PREFILL_STATE_TOL = 5e-3  # chunk states are tl.dot products with tf32-rounded dt-scaled x
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEV = "cuda"
@@ -165,10 +166,10 @@ def test_prefill(shape):
     for fn, name in ((ssd_prefill, "triton"), (ssd_prefill_ref, "reference")):
         y, h = fn(**args)
         assert_close(y, y_exp, BF16_TOL, f"{name} y vs oracle")
-        assert_close(h, h_exp, FP32_TOL * 10, f"{name} final state vs oracle")
+        assert_close(h, h_exp, PREFILL_STATE_TOL, f"{name} final state vs oracle")
     y2, h2 = split_in_two(ssd_prefill, args, 333, 64)
     assert_close(y2, y_exp, BF16_TOL, "two halves y vs oracle")
-    assert_close(h2, h_exp, FP32_TOL * 10, "two halves state vs oracle")
+    assert_close(h2, h_exp, PREFILL_STATE_TOL, "two halves state vs oracle")
 
 
 @gpu
@@ -196,10 +197,20 @@ def test_kernels_compile_for_h100():
             ssm_chain_update(**chain_case(1, 1, 1, P, 128, 1, seed=8, dtype=torch.bfloat16))
             ssm_state_commit(**commit_case([3], 8, 1, P, 128, 1, seed=8, dtype=torch.bfloat16))
             ssd_prefill(**prefill_case(70, 1, P, 128, 1, seed=8, dtype=torch.bfloat16))
-        args, _ = tree_case([(130, "deep"), (16, "bushy")], 1, 16, 16, 1, seed=8, dtype=torch.bfloat16)
+        args, _ = tree_case([(130, "deep"), (16, "bushy")], 1, 64, 128, 1, seed=8, dtype=torch.bfloat16)
         tree_ssd_scan(**args)
+        args, _ = tree_case([(20, "random")], 1, 64, 128, 1, seed=8)  # fp32 activations: tf32x3 dots
+        tree_ssd_scan(**args)
+        ssd_prefill(**prefill_case(70, 1, 64, 128, 1, seed=8))
         ssm_chain_update(**chain_case(1, 4, 1, 64, 128, 1, seed=8, dtype=torch.bfloat16))
 
     kernels = [ssd_tree._tree_ssd_kernel, ssm_decode._chain_update_kernel, ssm_commit._commit_kernel,
                prefill_mod._chunk_state_kernel, prefill_mod._state_passing_kernel, prefill_mod._chunk_scan_kernel]
-    assert_compiles_for_sm90(kernels, run)
+
+    def known_spills(spec):
+        # trees over 64 nodes (several row tiles) and fp32 activations (3-pass tf32 dots) spill a
+        # few hundred bytes per thread; the bf16 one-tile path the model runs must not
+        c = spec["constexprs"]
+        return c.get("ROW_TILES", 1) > 1 or c.get("PREC") == "tf32x3"
+
+    assert_compiles_for_sm90(kernels, run, spills_ok=known_spills)

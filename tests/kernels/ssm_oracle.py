@@ -111,9 +111,10 @@ def nan_output(shape, dtype, device):
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
-def assert_compiles_for_sm90(kernels, run) -> list[dict]:
+def assert_compiles_for_sm90(kernels, run, spills_ok=lambda spec: False) -> list[dict]:
     """Record the launches `run()` makes of the interpreted `kernels`, compile each for an H100
-    (sm_90, full pipeline down to ptxas) in a clean process, and require success without spills."""
+    (sm_90, full pipeline down to ptxas) in a clean process, and require success, and no register
+    spills unless `spills_ok(spec)` (spec: see tests.kernels.sm90.launch_spec)."""
     import contextlib
 
     from tests.kernels.sm90 import compile_sm90, launch_spec, record_launches
@@ -129,7 +130,7 @@ def assert_compiles_for_sm90(kernels, run) -> list[dict]:
     results = compile_sm90(specs)
     for spec, res in zip(specs, results):
         assert res["ok"], f"{spec['name']} {spec['constexprs']}: {res['error']}"
-        assert res["spill_bytes"] == 0, f"{spec['name']} {spec['constexprs']} spills: {res}"
+        assert res["spill_bytes"] == 0 or spills_ok(spec), f"{spec['name']} {spec['constexprs']} spills: {res}"
     return results
 
 

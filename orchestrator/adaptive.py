@@ -1,0 +1,178 @@
+"""Adaptive speculation: how many tree nodes to ask the drafter for, step by step.
+
+A step with a budget of b nodes emits tau(b) tokens on average (accepted drafts plus the bonus
+token; tau(1) = 1 exactly: plain decoding) and costs step_ms(b). The engine wants the most tokens
+per millisecond from the whole batch, and every request shares the step's cost, so each request
+picks
+
+    b* = argmax_b  (tau(b) + tokens of the rest of the batch) / step_ms(nodes of the rest + b)
+
+over the budgets it allows (powers of two up to its cap). b* = 1 turns speculation off. Alone on
+a GPU a node is nearly free and big trees win; in a large batch each node costs about as much as
+a token of another sequence, and the same formula turns speculation off.
+
+- tau(b) is an exponential moving average of the tokens emitted per step at budget b, per request
+  (acceptance depends on the text), falling back to the engine-wide average for budgets the
+  request has not tried, and otherwise to the nearest smaller tried budget (never optimistic).
+- step_ms(n) = forward_ms(n) + overhead: the verifier's forward time is fitted as a + c * n over
+  the nodes of the whole batch (least squares with forgetting), so large batches, where every
+  extra node costs real compute, naturally push the choice towards 1; the overhead (drafting,
+  RPCs) is measured separately for speculative and plain steps.
+- Every `probe_every` steps the request tries a neighbour of its best budget (alternately one
+  larger and one smaller) so the estimates stay current; this bounds the cost of exploring to a
+  small fraction of the steps. During the first `warmup` steps it probes every other step: until
+  the batch has verified different node counts the cost slope is unknown (assumed flat). Each
+  request probes at its own `phase`, so a large batch does not probe all at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BUDGETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def allowed_budgets(cap: int) -> tuple[int, ...]:
+    """1 plus the powers of two up to `cap`, and `cap` itself."""
+    out = [b for b in BUDGETS if b <= cap]
+    if cap > 1 and cap not in out:
+        out.append(cap)
+    return tuple(out) or (1,)
+
+
+@dataclass
+class CostModel:
+    """Step cost in ms as a function of the nodes verified in the batch (per engine)."""
+
+    decay: float = 0.97
+    # decayed sums for the least-squares fit of forward_ms = a + c * nodes
+    _w: float = 0.0
+    _n: float = 0.0
+    _nn: float = 0.0
+    _y: float = 0.0
+    _ny: float = 0.0
+    _overhead: dict = field(default_factory=lambda: {True: None, False: None})
+
+    def observe(self, nodes: int, forward_ms: float, step_ms: float, speculative: bool) -> None:
+        d = self.decay
+        self._w = d * self._w + 1.0
+        self._n = d * self._n + nodes
+        self._nn = d * self._nn + nodes * nodes
+        self._y = d * self._y + forward_ms
+        self._ny = d * self._ny + nodes * forward_ms
+        over = max(0.0, step_ms - forward_ms)
+        prev = self._overhead[speculative]
+        self._overhead[speculative] = over if prev is None else 0.8 * prev + 0.2 * over
+
+    @property
+    def observed(self) -> bool:
+        return self._w > 0.0
+
+    def fit(self) -> tuple[float, float]:
+        """(a, c): intercept and ms per node, both >= 0. Flat (c = 0) until nodes vary."""
+        if self._w == 0.0:
+            return 0.0, 0.0
+        mean_n, mean_y = self._n / self._w, self._y / self._w
+        var = self._nn / self._w - mean_n * mean_n
+        if var <= 1e-9 * max(1.0, mean_n * mean_n):
+            return mean_y, 0.0
+        c = max(0.0, (self._ny / self._w - mean_n * mean_y) / var)
+        return max(0.0, mean_y - c * mean_n), c
+
+    def forward_ms(self, nodes: int) -> float:
+        a, c = self.fit()
+        return a + c * nodes
+
+    def step_ms(self, nodes: int, speculative: bool) -> float:
+        over = self._overhead[speculative]
+        if over is None:  # never measured: assume the same overhead as the other kind of step
+            over = self._overhead[not speculative] or 0.0
+        return self.forward_ms(nodes) + over
+
+
+@dataclass
+class AcceptanceTable:
+    """EMA of tokens emitted per step, per budget."""
+
+    alpha: float = 0.2
+    tau: dict = field(default_factory=dict)
+
+    def observe(self, budget: int, emitted: int) -> None:
+        prev = self.tau.get(budget)
+        self.tau[budget] = float(emitted) if prev is None else (1 - self.alpha) * prev + self.alpha * emitted
+
+    def get(self, budget: int) -> float | None:
+        return 1.0 if budget == 1 else self.tau.get(budget)
+
+
+@dataclass
+class AdaptivePolicy:
+    """Per-request budget choice. `cap`: the largest budget allowed (the request's node budget or
+    the verifier's tree limit); `start`: the budget used before anything has been measured."""
+
+    cap: int
+    start: int = 8
+    probe_every: int = 16
+    warmup: int = 12
+    phase: int = 0
+    table: AcceptanceTable = field(default_factory=AcceptanceTable)
+    steps: int = 0
+    best: int = 0
+    _probe_up: bool = True
+
+    def __post_init__(self):
+        self.budgets = allowed_budgets(self.cap)
+        self.start = max(b for b in self.budgets if b <= max(1, self.start))
+
+    def estimate(self, budget: int, shared: AcceptanceTable | None) -> float:
+        own = self.table.get(budget)
+        if own is not None:
+            return own
+        if shared is not None and shared.get(budget) is not None:
+            return shared.get(budget)
+        smaller = [self.table.get(b) for b in self.budgets if b < budget and self.table.get(b) is not None]
+        return max(smaller) if smaller else 1.0
+
+    def choose(self, cost: CostModel, other_nodes: int = 0, shared: AcceptanceTable | None = None,
+               other_tokens: float = 0.0) -> int:
+        """Budget for this request's next tree. `other_nodes` / `other_tokens`: what the rest of
+        the batch verifies / emits per step."""
+        self.steps += 1
+        if not cost.observed and len(self.table.tau) == 0:
+            self.best = self.start
+            return self.start
+        speculative = other_nodes > other_tokens  # does the rest of the batch speculate?
+        scores = {b: (self.estimate(b, shared) + other_tokens)
+                  / max(1e-6, cost.step_ms(other_nodes + b, speculative or b > 1)) for b in self.budgets}
+        self.best = max(self.budgets, key=lambda b: (scores[b], -b))
+        every = 2 if self.steps <= self.warmup else self.probe_every
+        if every and (self.steps + self.phase) % every == 0 and len(self.budgets) > 1:
+            return self._neighbour(self.best)
+        return self.best
+
+    def _neighbour(self, b: int) -> int:
+        i = self.budgets.index(b)
+        up = i + 1 < len(self.budgets)
+        down = i > 0
+        go_up = (self._probe_up and up) or not down
+        self._probe_up = not self._probe_up
+        return self.budgets[i + 1] if go_up else self.budgets[i - 1]
+
+    def observe(self, budget: int, emitted: int, shared: AcceptanceTable | None = None) -> None:
+        self.table.observe(budget, emitted)
+        if shared is not None:
+            shared.observe(budget, emitted)
+
+
+@dataclass
+class FixedPolicy:
+    """Always the same budget (0: the drafter's default; 1: no speculation)."""
+
+    budget: int
+
+    def choose(self, cost: CostModel, other_nodes: int = 0, shared: AcceptanceTable | None = None,
+               other_tokens: float = 0.0) -> int:
+        return self.budget
+
+    def observe(self, budget: int, emitted: int, shared: AcceptanceTable | None = None) -> None:
+        if shared is not None and budget > 1:
+            shared.observe(budget, emitted)

@@ -1,0 +1,169 @@
+"""`treeserve serve`: verifier replica(s) and a drafter as child processes, and the orchestrator
+(on a private Ray instance) in this process: the whole system on one machine.
+
+Without --model it serves the embedded demo pair (models/demo/target and models/demo/drafter).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import pathlib
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+from orchestrator.generation import FrontLimits
+from orchestrator.procs import Child, free_port, stop_all
+from orchestrator.runtime import Orchestrator, OrchestratorConfig
+
+log = logging.getLogger("treeserve.serve")
+
+DEMO_DIR = pathlib.Path(__file__).resolve().parents[1] / "models" / "demo"
+
+
+class SetupError(Exception):
+    """The deployment cannot start as asked; the message says what to do."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, metavar="DIR", help="target checkpoint (default: the embedded demo model)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--drafter-model", default=None, metavar="DIR",
+                     help="draft checkpoint (default: the demo drafter with the demo model, else --ngram)")
+    src.add_argument("--ngram", action="store_true", help="model-free n-gram drafting")
+    src.add_argument("--no-drafter", action="store_true", help="no drafter: plain decoding only")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+    p.add_argument("--drafter-device", default="cpu", help="device of the draft model (default cpu)")
+    p.add_argument("--host", default="127.0.0.1", help="interface of the Generation service")
+    p.add_argument("--port", type=int, default=50051, help="port of the Generation service (0: pick a free one)")
+    p.add_argument("--verifier-replicas", type=int, default=1, help="verifier processes (one per GPU when several)")
+    p.add_argument("--max-sequences", type=int, default=None, help="sequences per verifier replica")
+    p.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' from clients")
+    p.add_argument("--draft-timeout-ms", type=float, default=1000.0)
+    p.add_argument("--default-max-new-tokens", type=int, default=256)
+    p.add_argument("--log-dir", default=None, help="where the child services write their logs (default: temp files)")
+
+
+@dataclass
+class Plan:
+    target: pathlib.Path
+    drafter: Optional[pathlib.Path]  # None with ngram or no drafter
+    ngram: bool
+    device: str
+    replicas: int
+    extra_verifier_args: list = field(default_factory=list)
+    drafter_device: str = "cpu"
+
+
+def plan_from(args: argparse.Namespace) -> Plan:
+    target = pathlib.Path(args.model) if args.model else DEMO_DIR / "target"
+    drafter = None
+    if args.drafter_model:
+        drafter = pathlib.Path(args.drafter_model)
+    elif not args.model and not args.ngram and not args.no_drafter:
+        drafter = DEMO_DIR / "drafter"
+    ngram = args.ngram or (args.model is not None and drafter is None and not args.no_drafter)
+    for what, path in (("target model", target), ("draft model", drafter)):
+        if path is not None and not (path / "config.json").is_file():
+            hint = ("the embedded demo models are missing from this checkout (models/demo/); "
+                    "pass --model DIR (and --drafter-model DIR or --ngram)") if DEMO_DIR in path.parents else (
+                    "expected a Hugging Face checkpoint directory with config.json")
+            raise SetupError(f"{what} not found at {path}: {hint}")
+    if args.verifier_replicas < 1:
+        raise SetupError("--verifier-replicas must be >= 1")
+    extra = ["--max-sequences", str(args.max_sequences)] if args.max_sequences else []
+    return Plan(target, drafter, ngram, resolve_device(args.device), args.verifier_replicas, extra,
+                getattr(args, "drafter_device", "cpu"))
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def replica_device(device: str, i: int) -> str:
+    """Spread replicas over the GPUs when the device is plain 'cuda'."""
+    if device != "cuda":
+        return device
+    import torch
+
+    n = torch.cuda.device_count()
+    return f"cuda:{i % n}" if n > 1 else device
+
+
+def start_services(plan: Plan, log_dir: Optional[str] = None) -> tuple[list[Child], list[str], Optional[str]]:
+    """Start the children on ports chosen now, without waiting for them; returns (children,
+    verifier addresses, drafter address). `wait_services` then waits until they serve."""
+    def log_path(name):
+        if log_dir is None:
+            return None
+        pathlib.Path(log_dir).mkdir(parents=True, exist_ok=True)
+        return str(pathlib.Path(log_dir) / f"{name}.log")
+
+    children: list[Child] = []
+    try:
+        verifiers = []
+        for i in range(plan.replicas):
+            port = free_port()
+            children.append(Child(["verifier", "--model", plan.target, "--device", replica_device(plan.device, i),
+                                   "--port", port, *plan.extra_verifier_args], f"verifier-{i}", log_path(f"verifier-{i}")))
+            verifiers.append(f"127.0.0.1:{port}")
+        drafter = None
+        if plan.drafter is not None or plan.ngram:
+            port = free_port()
+            source = ["--ngram"] if plan.drafter is None else ["--model", plan.drafter, "--device", plan.drafter_device]
+            children.append(Child(["drafter", *source, "--port", port], "drafter", log_path("drafter")))
+            drafter = f"127.0.0.1:{port}"
+        return children, verifiers, drafter
+    except BaseException:
+        stop_all(children)
+        raise
+
+
+def wait_services(children: list[Child], timeout: float = 900.0) -> None:
+    """Until every child serves; stops them all and raises if one fails."""
+    try:
+        for c in children:
+            c.wait(timeout)
+    except BaseException:
+        stop_all(children)
+        raise
+
+
+def launch(plan: Plan, config: OrchestratorConfig, log_dir: Optional[str] = None) -> tuple[list[Child], Orchestrator]:
+    """Children and orchestrator; Ray starts while the models load."""
+    children, verifiers, drafter = start_services(plan, log_dir)
+    config.verifiers, config.drafter = verifiers, drafter
+    orch = Orchestrator(config)
+    try:
+        orch.prepare()
+        wait_services(children)
+        orch.start()
+    except BaseException:
+        stop_all(children)
+        orch.stop()
+        raise
+    return children, orch
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plan = plan_from(args)
+    except SetupError as exc:
+        print(f"treeserve serve: {exc}", file=sys.stderr)
+        return 2
+    config = OrchestratorConfig(verifiers=[], host=args.host, port=args.port, auth_token=args.auth_token,
+                                tokenizer=str(plan.target), draft_timeout_s=args.draft_timeout_ms / 1e3,
+                                limits=FrontLimits(default_max_new_tokens=args.default_max_new_tokens))
+    children, orch = launch(plan, config, args.log_dir)
+    try:
+        print(f"serving {plan.target.name} on {args.host}:{orch.port} (verifiers {', '.join(config.verifiers)}; "
+              f"drafter {config.drafter or 'none'})", flush=True)
+        print(f"orchestrator listening on {args.host}:{orch.port}", flush=True)
+        orch.wait()
+    finally:
+        stop_all(children)
+    return 0

@@ -1,0 +1,335 @@
+"""One engine's connection to the drafter: a single Speculate stream shared by every sequence of
+the engine's batch, plus StartSequence / EndSequence calls.
+
+The engine never blocks on the drafter for longer than it chooses to wait for a tree, and never
+depends on it for correctness:
+- at most one DraftRequest per sequence is in flight; while one is outstanding (the drafter is
+  lagging) the engine verifies a one-node tree instead, and the late answer is dropped;
+- when the stream or a call fails, every sequence is marked out of sync and a background thread
+  reconnects with backoff, then restarts each sequence from the engine's committed-token log
+  (StartSequence with the full log), after which drafting resumes;
+- a per-sequence error (e.g. the drafter lost the sequence) resynchronises just that sequence.
+
+`tokens_of(sequence_id)` is supplied by the engine: the sequence's committed tokens (the log
+without its root), or None when the sequence is gone.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import grpc
+
+from treeserve.acceptance import Outcome
+from treeserve.server import channel as make_channel
+from treeserve.tree import TokenTree, TreeError, tree_from_proto
+from treeserve.v1 import treeserve_pb2 as pb
+from treeserve.v1 import treeserve_pb2_grpc as pbg
+
+log = logging.getLogger("treeserve.orchestrator.draft")
+
+SYNCING, READY = "syncing", "ready"
+
+
+@dataclass
+class _Seq:
+    sampling: object  # pb.SamplingParams
+    options: object  # pb.DraftOptions
+    state: str = SYNCING
+    known: int = 0  # committed length the drafter has
+    inflight: Optional[int] = None  # committed length of the outstanding request
+    sent_at: float = 0.0
+    wanted: Optional[tuple] = None  # a request to send once in sync: (length, root, budget)
+    result: Optional[tuple] = None  # (length, TokenTree, from_draft_ahead, draft_ms)
+
+
+@dataclass
+class DraftStats:
+    trees: int = 0
+    late: int = 0
+    invalid: int = 0
+    resyncs: int = 0
+    reconnects: int = 0
+    draft_ahead_hits: int = 0
+    draft_ms: float = 0.0
+
+
+class DraftLink:
+    def __init__(self, address: str, tokens_of: Callable[[str], Optional[Sequence[int]]], vocab_size: int,
+                 max_tree_nodes: int, auth_token: str | None = None, call_timeout: float = 30.0,
+                 stuck_after: float = 30.0):
+        self.address = address
+        self._tokens_of = tokens_of
+        self._vocab = vocab_size
+        self._max_nodes = max_tree_nodes
+        self._token = auth_token
+        self._timeout = call_timeout
+        self._stuck_after = stuck_after
+        self._cv = threading.Condition()
+        self._seqs: dict[str, _Seq] = {}
+        self._up = False
+        self._generation = 0  # bumps with every new stream; stale readers stop
+        self._send_q: Optional[queue.Queue] = None
+        self._call = None  # the Speculate stream
+        self._stub = None
+        self._channel = None
+        self._work: queue.Queue = queue.Queue()
+        self._closed = False
+        self.lagging = False
+        self.stats = DraftStats()
+        self._worker = threading.Thread(target=self._work_loop, name="draft-link", daemon=True)
+        self._worker.start()
+        self._work.put(("connect",))
+
+    # ---- engine-facing ------------------------------------------------------------------
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    def open(self, sid: str, sampling, options) -> None:
+        """Start drafting for a sequence (asynchronously; its first trees may be one-node)."""
+        with self._cv:
+            self._seqs[sid] = _Seq(sampling, options)
+        self._work.put(("start", sid))
+
+    def close(self, sid: str, end: bool = True) -> None:
+        """Stop drafting for a sequence; `end=False` when another engine now drafts it."""
+        with self._cv:
+            known = self._seqs.pop(sid, None) is not None
+        if known and end:
+            self._work.put(("end", sid))
+
+    def request(self, sid: str, length: int, root: int, budget: int, outcome: Outcome | None) -> bool:
+        """Ask for the tree to verify at committed `length` with root `root`. Returns whether an
+        answer may come (the engine then waits for it in `take`)."""
+        with self._cv:
+            seq = self._seqs.get(sid)
+            if seq is None or not self._up:
+                return False
+            if seq.state == SYNCING:
+                seq.wanted = (length, root, budget)
+                return True
+            if seq.inflight is not None:
+                if time.monotonic() - seq.sent_at > self._stuck_after:
+                    log.warning("drafter has not answered %s for %.0f s: reconnecting", sid, self._stuck_after)
+                    self._mark_down_locked()
+                return False
+            self._send_locked(sid, seq, length, root, budget, outcome)
+            return True
+
+    def take(self, expect: dict[str, int], timeout: float) -> dict[str, tuple]:
+        """Wait up to `timeout` s for the trees of `expect` (sequence id -> committed length);
+        returns sid -> (TokenTree, from_draft_ahead, draft_ms) for those that came. While the
+        drafter is lagging, waits for nothing."""
+        got: dict[str, tuple] = {}
+        with self._cv:
+            if self.lagging and not any(s.inflight is not None for s in self._seqs.values()):
+                self.lagging = False
+            deadline = time.monotonic() + (0.0 if self.lagging else timeout)
+            while True:
+                for sid, length in expect.items():
+                    seq = self._seqs.get(sid)
+                    if sid in got or seq is None or seq.result is None:
+                        continue
+                    if seq.result[0] == length:
+                        got[sid] = seq.result[1:]
+                    seq.result = None
+                missing = [s for s in expect if s not in got and self._may_answer(s, expect[s])]
+                left = deadline - time.monotonic()
+                if not missing or left <= 0:
+                    break
+                self._cv.wait(left)
+            if missing:
+                self.lagging = True
+                self.stats.late += len(missing)
+        return got
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._mark_down_locked()
+        self._work.put(("stop",))
+
+    # ---- internals ----------------------------------------------------------------------
+    def _may_answer(self, sid: str, length: int) -> bool:
+        seq = self._seqs.get(sid)
+        if seq is None or not self._up:
+            return False
+        return seq.inflight == length or (seq.state == SYNCING and seq.wanted is not None)
+
+    def _send_locked(self, sid, seq: _Seq, length: int, root: int, budget: int, outcome: Outcome | None) -> None:
+        tokens = self._tokens_of(sid)
+        if tokens is None or len(tokens) < length:
+            return
+        req = pb.DraftRequest(sequence_id=sid, committed_length=length, appended_tokens=list(tokens[seq.known:length]),
+                              root_token=root, node_budget=max(0, budget))
+        if outcome is not None and seq.known == length - len(outcome.accepted_nodes):
+            req.outcome.CopyFrom(outcome.to_proto())
+        seq.known = length
+        seq.inflight = length
+        seq.sent_at = time.monotonic()
+        seq.result = None
+        self._send_q.put(req)
+
+    def _mark_down_locked(self) -> None:
+        if self._up:
+            self._up = False
+            self._generation += 1
+            if self._send_q is not None:
+                self._send_q.put(None)
+            if self._call is not None:
+                self._call.cancel()  # a hung drafter must not keep the old reader blocked
+            if not self._closed:
+                self._work.put(("connect",))
+        for seq in self._seqs.values():
+            seq.state, seq.inflight, seq.result, seq.wanted = SYNCING, None, None, None
+        self.lagging = False
+        self._cv.notify_all()
+
+    def _work_loop(self) -> None:
+        backoff = 0.1
+        while True:
+            job = self._work.get()
+            if job[0] == "stop":
+                if self._channel is not None:
+                    self._channel.close()
+                return
+            try:
+                if job[0] == "connect":
+                    if self._connect():
+                        backoff = 0.1
+                    else:
+                        time.sleep(backoff)
+                        backoff = min(2.0, backoff * 2)
+                        self._work.put(("connect",))
+                elif job[0] == "start":
+                    self._start(job[1])
+                elif job[0] == "end":
+                    if self._up:
+                        self._stub.EndSequence(pb.EndSequenceRequest(sequence_id=job[1]), timeout=self._timeout)
+            except grpc.RpcError as exc:
+                log.warning("drafter %s: %s failed: %s", self.address, job[0], _describe(exc))
+                if job[0] == "start":
+                    code = exc.code()
+                    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                        with self._cv:
+                            self._mark_down_locked()
+                    else:
+                        with self._cv:  # this sequence is not draftable: it decodes plainly
+                            self._seqs.pop(job[1], None)
+            except Exception:  # noqa: BLE001 - the link must survive anything the drafter does
+                log.exception("drafter %s: %s failed", self.address, job[0])
+
+    def _connect(self) -> bool:
+        with self._cv:
+            if self._closed or self._up:
+                return True
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = make_channel(self.address, self._token)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=2.0)
+            stub = pbg.DrafterStub(self._channel)
+            stub.Stats(pb.StatsRequest(), timeout=2.0)
+        except (grpc.FutureTimeoutError, grpc.RpcError):
+            return False
+        send_q: queue.Queue = queue.Queue()
+        responses = stub.Speculate(_drain(send_q))
+        with self._cv:
+            self._stub = stub
+            self._send_q = send_q
+            self._call = responses
+            self._up = True
+            generation = self._generation
+            sids = list(self._seqs)
+        self.stats.reconnects += 1
+        threading.Thread(target=self._read, args=(responses, generation), name="draft-reader", daemon=True).start()
+        for sid in sids:
+            self._work.put(("start", sid))
+        log.info("drafter %s connected", self.address)
+        return True
+
+    def _start(self, sid: str) -> None:
+        with self._cv:
+            seq = self._seqs.get(sid)
+            if seq is None or not self._up:
+                return
+            seq.state, seq.inflight, seq.result = SYNCING, None, None
+        tokens = self._tokens_of(sid)
+        if tokens is None:
+            return
+        tokens = list(tokens)
+        resp = self._stub.StartSequence(
+            pb.StartSequenceRequest(sequence_id=sid, tokens=tokens, sampling=seq.sampling, options=seq.options),
+            timeout=self._timeout,
+        )
+        with self._cv:
+            if self._seqs.get(sid) is not seq or not self._up:
+                return
+            seq.known = int(resp.committed_length) if resp.committed_length else len(tokens)
+            seq.state = READY
+            self.stats.resyncs += 1
+            wanted, seq.wanted = seq.wanted, None
+            if wanted is not None and wanted[0] >= seq.known:
+                self._send_locked(sid, seq, wanted[0], wanted[1], wanted[2], None)
+            self._cv.notify_all()
+
+    def _read(self, responses, generation: int) -> None:
+        try:
+            for resp in responses:
+                self._on_response(resp, generation)
+        except grpc.RpcError as exc:
+            if generation == self._generation:
+                log.warning("drafter %s stream ended: %s", self.address, _describe(exc))
+        with self._cv:
+            if generation == self._generation:
+                self._mark_down_locked()
+
+    def _on_response(self, resp, generation: int) -> None:
+        tree = None
+        error = resp.HasField("error")
+        if not error:
+            try:
+                tree = tree_from_proto(resp.tree, self._vocab, self._max_nodes)
+            except TreeError as exc:
+                self.stats.invalid += 1
+                log.warning("drafter sent a malformed tree for %s: %s", resp.sequence_id, exc)
+        with self._cv:
+            if generation != self._generation:
+                return
+            seq = self._seqs.get(resp.sequence_id)
+            if seq is None:
+                return
+            if seq.inflight == resp.committed_length or error:
+                seq.inflight = None
+            if error:
+                log.info("drafter lost sequence %s (%s): restarting it", resp.sequence_id, resp.error.message)
+                seq.state = SYNCING
+                self._work.put(("start", resp.sequence_id))
+            elif tree is not None:
+                seq.result = (int(resp.committed_length), tree, bool(resp.from_draft_ahead), float(resp.draft_ms))
+                self.stats.trees += 1
+                self.stats.draft_ahead_hits += int(resp.from_draft_ahead)
+                self.stats.draft_ms += float(resp.draft_ms)
+            if not any(s.inflight is not None for s in self._seqs.values()):
+                self.lagging = False
+            self._cv.notify_all()
+
+
+def _drain(q: queue.Queue):
+    while True:
+        item = q.get()
+        if item is None:
+            return
+        yield item
+
+
+def _describe(exc: grpc.RpcError) -> str:
+    try:
+        return f"{exc.code().name}: {exc.details()}"
+    except Exception:  # noqa: BLE001
+        return str(exc)

@@ -1,0 +1,506 @@
+"""The engine loop of one verifier replica: speculation steps for its whole batch.
+
+One step, for every active request at once:
+  1. take the next tree of each request from the drafter (waiting at most `draft_timeout_s`; a
+     request without a tree this step verifies a one-node tree: plain decoding);
+  2. one batched Verify RPC; each item carries the commit of its request's previous step;
+  3. acceptance (`steps.accept`), which extends the committed-token log;
+  4. ask the drafter for the next trees (the outcome lets it reuse its work), with a budget from
+     the adaptive policy;
+  5. publish the new tokens to the outbox the request's front drains.
+
+The loop runs in its own thread and owns every RequestState; other threads only talk to it
+through `_inbox` (submit, adopt, cancel) and read the outbox.
+
+Failures: a verifier item that lost its sequence (restart, idle expiry) is re-prefilled from the
+log; a failed Verify call marks the replica down, offers the requests to other replicas through
+`Hooks.replica_down`, and re-prefills the rest once the replica answers again. The drafter is
+never needed for correctness (see draft_link).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import grpc
+
+from orchestrator.adaptive import AcceptanceTable, AdaptivePolicy, CostModel, FixedPolicy
+from orchestrator.draft_link import DraftLink
+from orchestrator.request import CANCELLED, Event, RequestSpec, RequestState
+from orchestrator.steps import accept, advance, fit_tree, in_original, take_output, tree_limits
+from treeserve.acceptance import Outcome
+from treeserve.server import channel as make_channel
+from treeserve.tree import TokenTree, tree_to_proto
+from treeserve.v1 import treeserve_pb2 as pb
+from treeserve.v1 import treeserve_pb2_grpc as pbg
+
+log = logging.getLogger("treeserve.orchestrator.engine")
+
+_DOWN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+               grpc.StatusCode.UNKNOWN)
+_LOST_CODES = (grpc.StatusCode.NOT_FOUND.value[0], grpc.StatusCode.FAILED_PRECONDITION.value[0])
+ADAPTIVE_CAP = 32  # largest budget the adaptive policy considers when the request names none
+ADAPTIVE_START = 8
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    verifier: str
+    drafter: Optional[str] = None
+    name: str = ""
+    service_token: Optional[str] = None
+    draft_timeout_s: float = 1.0  # longest wait for a tree before verifying a one-node tree
+    verify_timeout_s: float = 120.0
+    replica_timeout_s: float = 60.0  # fail requests whose replica stays down this long
+    connect_timeout_s: float = 60.0  # how long a new engine waits for its verifier to answer
+
+
+@dataclass(frozen=True)
+class VerifierInfo:
+    model: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_sequences: int
+    max_tree_nodes: int
+    max_sequence_length: int
+    device: str
+
+    @classmethod
+    def from_proto(cls, s) -> "VerifierInfo":
+        return cls(s.model, int(s.vocab_size), tuple(s.eos_token_ids), int(s.max_sequences), int(s.max_tree_nodes),
+                   int(s.max_sequence_length), s.device)
+
+
+class Hooks:
+    """What an engine tells the rest of the system. The defaults suit a lone engine."""
+
+    def finished(self, request_ids: list[str]) -> None:
+        pass
+
+    def replica_down(self, states: list[RequestState]) -> dict[str, str]:
+        """Offer requests to other replicas; returns {request id: engine name} of those taken."""
+        return {}
+
+    def replica_up(self) -> None:
+        pass
+
+
+class Outbox:
+    """Events per front, drained in batches (one call per batch, not per token)."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._events: dict[str, list[Event]] = defaultdict(list)
+
+    def put(self, front: str, events: Iterable[Event]) -> None:
+        with self._cv:
+            self._events[front].extend(events)
+            self._cv.notify_all()
+
+    def drain(self, front: str, timeout: float) -> list[Event]:
+        with self._cv:
+            if not self._events.get(front):
+                self._cv.wait_for(lambda: bool(self._events.get(front)), timeout)
+            return self._events.pop(front, [])
+
+
+def make_policy(spec: RequestSpec, info: VerifierInfo, phase: int = 0):
+    sp = spec.speculation
+    if not sp.enabled:
+        return FixedPolicy(1)
+    if sp.adaptive:
+        cap = min(sp.node_budget or ADAPTIVE_CAP, info.max_tree_nodes)
+        return AdaptivePolicy(cap=cap, start=min(cap, ADAPTIVE_START), phase=phase)
+    return FixedPolicy(min(sp.node_budget, info.max_tree_nodes))
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, hooks: Hooks | None = None):
+        self.config = config
+        self.name = config.name or f"engine:{config.verifier}"
+        self.hooks = hooks or Hooks()
+        self._channel = None
+        self._stub = self._connect(config.connect_timeout_s)
+        self.info = VerifierInfo.from_proto(self._stub.Stats(pb.StatsRequest(), timeout=10.0))
+        self.eos = frozenset(self.info.eos_token_ids)
+        self.outbox = Outbox()
+        self.cost = CostModel()
+        self.shared = AcceptanceTable()
+        self._requests: dict[str, RequestState] = {}
+        self._inbox: queue.Queue = queue.Queue()
+        self._count_lock = threading.Lock()
+        self._count = 0  # requests accepted and not finished (the loop may not have seen them yet)
+        self._admitted = 0
+        self._down_since: Optional[float] = None
+        self._last_offer = 0.0
+        self._stop = threading.Event()
+        self._background = ThreadPoolExecutor(2, thread_name_prefix="engine-bg")
+        self.steps = 0
+        self.link = None
+        if config.drafter:
+            self.link = DraftLink(config.drafter, self._committed_tokens, self.info.vocab_size,
+                                  self.info.max_tree_nodes, auth_token=config.service_token)
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # ---- public (any thread) ------------------------------------------------------------
+    def start(self) -> "Engine":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout=10)
+        if self.link is not None:
+            self.link.shutdown()
+        self._background.shutdown(wait=False)
+
+    @property
+    def load(self) -> int:
+        return self._count
+
+    def submit(self, spec: RequestSpec) -> Optional[tuple[int, str]]:
+        """Accept a new request, or say why not: (grpc code number, message)."""
+        err = self._check(spec)
+        if err is not None:
+            return err
+        with self._count_lock:
+            if self._count >= self.info.max_sequences:
+                return (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                        f"replica {self.config.verifier} is full ({self.info.max_sequences} sequences)")
+            self._count += 1
+            self._admitted += 1
+            phase = self._admitted
+        state = RequestState(spec, list(spec.prompt), make_policy(spec, self.info, phase=phase))
+        self._inbox.put(("add", state))
+        return None
+
+    def adopt(self, state: RequestState) -> bool:
+        """Continue a request that another replica lost (re-prefilled from its log)."""
+        with self._count_lock:
+            if self._count >= self.info.max_sequences or self._down_since is not None:
+                return False
+            self._count += 1
+        state.needs_prefill, state.pending_commit, state.awaiting_draft = True, None, False
+        state.reopen_drafter = True
+        state.epoch += 1
+        self._inbox.put(("add", state))
+        return True
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        self._inbox.put(("cancel", request_id, reason))
+
+    def stats(self) -> dict:
+        a, c = self.cost.fit()
+        out = {"name": self.name, "verifier": self.config.verifier, "load": self._count, "steps": self.steps,
+               "down": self._down_since is not None, "forward_ms_intercept": a, "forward_ms_per_node": c,
+               "acceptance": dict(self.shared.tau), "info": self.info.__dict__}
+        if self.link is not None:
+            out["drafter"] = {"up": self.link.up, **self.link.stats.__dict__}
+        return out
+
+    # ---- validation ---------------------------------------------------------------------
+    def _check(self, spec: RequestSpec) -> Optional[tuple[int, str]]:
+        bad = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        if any(not 0 <= t < self.info.vocab_size for t in spec.prompt):
+            return bad, f"prompt token outside the vocabulary [0, {self.info.vocab_size})"
+        if len(spec.prompt) + spec.max_new_tokens > self.info.max_sequence_length:
+            return bad, (f"prompt ({len(spec.prompt)} tokens) + max_new_tokens ({spec.max_new_tokens}) exceeds the "
+                         f"maximum sequence length {self.info.max_sequence_length}")
+        if spec.speculation.node_budget > self.info.max_tree_nodes:
+            return bad, f"node_budget {spec.speculation.node_budget} exceeds the verifier's limit {self.info.max_tree_nodes}"
+        return None
+
+    # ---- the loop -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._absorb(wait=not self._requests)
+                if self._down_since is not None:
+                    self._probe()
+                    continue
+                self._prefill([r for r in self._requests.values() if r.needs_prefill])
+                batch = [r for r in self._requests.values() if not r.needs_prefill]
+                if batch and self._down_since is None:
+                    self._step(batch)
+            except Exception:  # noqa: BLE001 - the loop must outlive any single bad step
+                log.exception("%s: step failed", self.name)
+                time.sleep(0.05)
+
+    def _absorb(self, wait: bool) -> None:
+        try:
+            msg = self._inbox.get(timeout=0.5) if wait else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if msg[0] == "add":
+                self._requests[msg[1].request_id] = msg[1]
+            elif msg[0] == "cancel":
+                r = self._requests.get(msg[1])
+                if r is not None:
+                    log.debug("%s: %s ends: %s", self.name, r.request_id, msg[2])
+                    self._emit([r.next_event(finish=CANCELLED)], r)
+                    self._finish(r)
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self, batch: list[RequestState]) -> None:
+        t0 = time.perf_counter()
+        trees = self._gather_trees(batch)
+        items = []
+        for r, tree in zip(batch, trees):
+            item = pb.VerifyItem(sequence_id=r.vid, committed_length=r.committed, tree=tree_to_proto(tree))
+            if r.pending_commit is not None:
+                length, path = r.pending_commit
+                item.commit.CopyFrom(pb.Commit(committed_length=length, accepted_nodes=path))
+            items.append(item)
+        try:
+            resp = self._stub.Verify(pb.VerifyRequest(items=items), timeout=self.config.verify_timeout_s)
+        except grpc.RpcError as exc:
+            self._verifier_failed(batch, exc)
+            return
+        step_ms = (time.perf_counter() - t0) * 1e3
+        nodes = sum(t.size for t in trees)
+        self.cost.observe(nodes, resp.forward_ms, step_ms, speculative=nodes > len(batch))
+        self.steps += 1
+        done = []  # (request, outcome in the drafter's node indices or None, tokens out, finish)
+        for r, tree, res in zip(batch, trees, resp.results):
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s at %d: commit %s, tree %s %s -> %s %s", r.vid, r.committed, r.pending_commit,
+                          tree.tokens, tree.parents, list(res.target_tokens),
+                          res.error.message if res.HasField("error") else "")
+            if res.HasField("error"):
+                self._item_failed(r, res.error.code, res.error.message)
+                continue
+            try:
+                outcome = accept(tree, res.target_tokens, Outcome.from_proto(res.walk) if res.HasField("walk") else None)
+            except ValueError as exc:
+                self._item_failed(r, grpc.StatusCode.INTERNAL.value[0], str(exc))
+                continue
+            r.failures = 0
+            if r.from_drafter:
+                r.policy.observe(r.budget, len(outcome.accepted_nodes), self.shared)
+            out, finish = advance(r, tree, outcome, self.eos)
+            r.last_nodes, r.last_tokens = tree.size, len(outcome.accepted_nodes)
+            done.append((r, in_original(outcome, r.tree_map) if r.from_drafter else None, out, finish))
+        # Next trees first (the drafter starts at once), then the client events.
+        tokens = sum(r.last_tokens for r, *_ in done)
+        for r, told, out, finish in done:
+            if finish is None:
+                self._request_draft(r, told, nodes - r.last_nodes, tokens - r.last_tokens)
+        for r, _, out, finish in done:
+            self._emit([r.next_event(tokens=tuple(out), tree_nodes=r.last_nodes, step_ms=step_ms, finish=finish)], r)
+            if finish is not None:
+                self._finish(r)
+
+    def _gather_trees(self, batch: list[RequestState]) -> list[TokenTree]:
+        expect = {r.request_id: r.committed for r in batch if r.awaiting_draft}
+        got = self.link.take(expect, self.config.draft_timeout_s) if expect and self.link is not None else {}
+        trees = []
+        for r in batch:
+            r.awaiting_draft = False
+            entry = got.get(r.request_id)
+            tree = entry[0] if entry is not None and entry[0].tokens[0] == r.root else None
+            r.from_drafter, r.tree_map = tree is not None, None
+            if tree is None:
+                trees.append(TokenTree.single(r.root))
+                continue
+            max_nodes, max_depth = tree_limits(r, self.info.max_tree_nodes, self.info.max_sequence_length)
+            tree, r.tree_map = fit_tree(tree, max_nodes, max_depth)
+            trees.append(tree)
+        return trees
+
+    def _request_draft(self, r: RequestState, outcome: Outcome | None, other_nodes: int = 0,
+                       other_tokens: float = 0.0) -> None:
+        if self.link is None or not r.spec.speculation.enabled:
+            return
+        budget = r.policy.choose(self.cost, other_nodes, self.shared, other_tokens)
+        max_nodes, max_depth = tree_limits(r, self.info.max_tree_nodes, self.info.max_sequence_length)
+        if max_depth == 0 or budget == 1:
+            r.budget = 1
+            return
+        r.budget = min(budget, max_nodes) if budget else 0
+        r.awaiting_draft = self.link.request(r.request_id, r.committed, r.root, r.budget, outcome)
+
+    def _committed_tokens(self, request_id: str):
+        r = self._requests.get(request_id)
+        if r is None or not r.started:
+            return None
+        return r.tokens[:-1]
+
+    # ---- prefill ------------------------------------------------------------------------
+    def _prefill(self, todo: list[RequestState]) -> None:
+        if not todo:
+            return
+        calls = []
+        for r in todo:
+            prompt = r.tokens[:-1] if r.started else r.tokens
+            req = pb.PrefillRequest(sequence_id=r.vid, prompt_tokens=prompt, sampling=r.spec.sampling.to_proto())
+            calls.append((r, time.perf_counter(), self._stub.Prefill.future(req, timeout=self.config.verify_timeout_s)))
+        down = None
+        for r, t0, fut in calls:
+            try:
+                resp = fut.result()
+            except grpc.RpcError as exc:
+                if exc.code() in _DOWN_CODES:
+                    down = exc
+                    continue
+                if r.started:  # a resumed request: try again on the next pass, then give up
+                    r.failures += 1
+                    if r.failures < 3:
+                        r.epoch += 1
+                        continue
+                self._fail(r, exc.code().value[0], exc.details() or exc.code().name)
+                continue
+            self._prefilled(r, int(resp.next_token), (time.perf_counter() - t0) * 1e3)
+        if down is not None:
+            self._verifier_failed([r for r, _, _ in calls], down)
+
+    def _prefilled(self, r: RequestState, next_token: int, ms: float) -> None:
+        r.needs_prefill, r.pending_commit = False, None
+        r.forwards += 1
+        if r.started:
+            if next_token != r.root:
+                log.warning("%s: re-prefilled %s predicts %d where the log has %d (numerical drift); the log wins",
+                            self.name, r.request_id, next_token, r.root)
+            if self.link is not None and r.spec.speculation.enabled and r.reopen_drafter:
+                r.reopen_drafter = False
+                self.link.open(r.request_id, r.spec.sampling.to_proto(), r.spec.speculation.draft_options())
+            self._request_draft(r, None)
+            return
+        r.started = True
+        r.tokens.append(next_token)
+        out, finish = take_output(r, [next_token], self.eos)
+        if finish is None and self.link is not None and r.spec.speculation.enabled:
+            self.link.open(r.request_id, r.spec.sampling.to_proto(), r.spec.speculation.draft_options())
+            self._request_draft(r, None)
+        self._emit([r.next_event(tokens=tuple(out), tree_nodes=0, step_ms=ms, finish=finish)], r)
+        if finish is not None:
+            self._finish(r)
+
+    # ---- failures -----------------------------------------------------------------------
+    def _item_failed(self, r: RequestState, code: int, message: str) -> None:
+        if code in _LOST_CODES:
+            log.info("%s: verifier lost %s (%s): re-prefilling from the log", self.name, r.vid, message)
+            self._release_async(r.vid)
+            r.epoch += 1
+            r.needs_prefill, r.pending_commit = True, None
+            return
+        r.failures += 1
+        log.warning("%s: step of %s failed (%d): %s", self.name, r.request_id, code, message)
+        if r.failures >= 3:
+            self._fail(r, code, message)
+
+    def _verifier_failed(self, batch: list[RequestState], exc: grpc.RpcError) -> None:
+        if exc.code() not in _DOWN_CODES:
+            for r in batch:
+                self._fail(r, exc.code().value[0], f"verifier refused the step: {exc.details()}")
+            return
+        log.warning("%s: verifier %s failed (%s): replica down", self.name, self.config.verifier, exc.code().name)
+        self._down_since = time.monotonic()
+        for r in self._requests.values():
+            r.epoch += 1
+            r.needs_prefill, r.pending_commit, r.awaiting_draft = True, None, False
+        self._offer_elsewhere()
+
+    def _offer_elsewhere(self) -> None:
+        self._last_offer = time.monotonic()
+        candidates = list(self._requests.values())
+        if not candidates:
+            return
+        try:
+            taken = self.hooks.replica_down(candidates)
+        except Exception:  # noqa: BLE001
+            log.exception("%s: could not offer requests to other replicas", self.name)
+            return
+        for rid in taken:
+            r = self._requests.pop(rid, None)
+            if r is None:
+                continue
+            with self._count_lock:
+                self._count -= 1
+            if self.link is not None:
+                self.link.close(rid, end=False)
+            self.outbox.put(r.spec.front, [Event(rid, -1, moved_to=taken[rid])])
+
+    def _probe(self) -> None:
+        try:
+            self._connect(1.0).Stats(pb.StatsRequest(), timeout=1.0)
+        except (grpc.RpcError, grpc.FutureTimeoutError):
+            waited = time.monotonic() - self._down_since
+            if waited > self.config.replica_timeout_s:
+                for r in list(self._requests.values()):
+                    self._fail(r, grpc.StatusCode.UNAVAILABLE.value[0],
+                               f"verifier {self.config.verifier} unreachable for {waited:.0f} s")
+                self._down_since = time.monotonic()
+            elif time.monotonic() - self._last_offer > 2.0:
+                self._offer_elsewhere()
+            self._stop.wait(0.2)
+            return
+        log.info("%s: verifier %s is back; re-prefilling %d requests", self.name, self.config.verifier,
+                 sum(r.needs_prefill for r in self._requests.values()))
+        self._down_since = None
+        try:
+            self.hooks.replica_up()
+        except Exception:  # noqa: BLE001
+            log.exception("%s: replica_up hook failed", self.name)
+
+    def _connect(self, timeout: float):
+        """A fresh channel: after a restart it connects at once instead of waiting out gRPC's
+        reconnect backoff on the old one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            channel = make_channel(self.config.verifier, self.config.service_token)
+            try:
+                grpc.channel_ready_future(channel).result(timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+                break
+            except grpc.FutureTimeoutError:
+                channel.close()
+                if time.monotonic() >= deadline:
+                    raise
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = channel
+        self._stub = pbg.VerifierStub(channel)
+        return self._stub
+
+    # ---- endings ------------------------------------------------------------------------
+    def _fail(self, r: RequestState, code: int, message: str) -> None:
+        self._emit([r.next_event(error=(code, message))], r)
+        self._finish(r)
+
+    def _finish(self, r: RequestState) -> None:
+        if self._requests.pop(r.request_id, None) is None:
+            return
+        with self._count_lock:
+            self._count -= 1
+        if r.started or not r.needs_prefill:
+            self._release_async(r.vid)
+        if self.link is not None:
+            self.link.close(r.request_id)
+        try:
+            self.hooks.finished([r.request_id])
+        except Exception:  # noqa: BLE001
+            log.exception("%s: finished hook failed", self.name)
+
+    def _release_async(self, vid: str) -> None:
+        stub = self._stub
+
+        def release():
+            try:
+                stub.Release(pb.ReleaseRequest(sequence_id=vid), timeout=5.0)
+            except grpc.RpcError:
+                pass  # a replica that is down has lost the sequence anyway
+
+        self._background.submit(release)
+
+    def _emit(self, events: list[Event], r: RequestState) -> None:
+        self.outbox.put(r.spec.front, events)

@@ -1,0 +1,114 @@
+"""Child service processes on this machine: start `treeserve <command>`, learn the port it bound,
+wait until its health check says SERVING, stop it."""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Optional, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, timeout: float, service: str = "", alive=lambda: True) -> None:
+    """Block until `address` answers its health check with SERVING; raises TimeoutError."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError(f"the process serving {address} exited")
+        with grpc.insecure_channel(address) as ch:
+            try:
+                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{address} not serving after {timeout:.0f} s")
+
+
+class Child:
+    """`treeserve <args>` as a child process; output goes to `log_path` (a temp file by default).
+    `address` is known once `wait()` returns."""
+
+    def __init__(self, args: Sequence[str], name: str, log_path: Optional[str] = None, env: Optional[dict] = None,
+                 preexec=None, prefix: Sequence[str] = ()):
+        self.name = name
+        self.args = [str(a) for a in args]
+        self.log_path = log_path or tempfile.mkstemp(prefix=f"treeserve-{name}-", suffix=".log")[1]
+        self._log = open(self.log_path, "ab")
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        cmd = [*prefix, sys.executable, "-m", "treeserve.cli", *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
+                                     start_new_session=True, preexec_fn=preexec)
+        self.address: Optional[str] = None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait(self, timeout: float = 120.0, host: Optional[str] = None) -> str:
+        """Wait for the 'listening on' line and a SERVING health check; returns host:port."""
+        deadline = time.monotonic() + timeout
+        while self.address is None:
+            m = _LISTENING.search(self.output())
+            if m:
+                self.address = f"{host or m.group(1)}:{m.group(2)}"
+                break
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} did not start in {timeout:.0f} s:\n{self.output()[-3000:]}")
+            time.sleep(0.1)
+        wait_serving(self.address, max(1.0, deadline - time.monotonic()), alive=self.alive)
+        return self.address
+
+    def output(self) -> str:
+        try:
+            return pathlib.Path(self.log_path).read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM to the service (it shuts down its own helpers, e.g. a private Ray instance),
+        then SIGKILL to whatever is left of its process group."""
+        if self.alive():
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+        self._log.close()
+
+    def kill(self) -> None:
+        """SIGKILL the child (and its process group): a crash, as far as its peers can tell."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def stop_all(children: Sequence[Child]) -> None:
+    threads = [threading.Thread(target=c.stop) for c in children]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()

@@ -1,0 +1,149 @@
+"""The adaptive speculation policy on simulated costs and acceptance."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from orchestrator.adaptive import AcceptanceTable, AdaptivePolicy, CostModel, FixedPolicy, allowed_budgets
+
+
+def test_allowed_budgets():
+    assert allowed_budgets(1) == (1,)
+    assert allowed_budgets(8) == (1, 2, 4, 8)
+    assert allowed_budgets(13) == (1, 2, 4, 8, 13)
+
+
+def test_cost_model_fits_intercept_and_slope():
+    cost = CostModel()
+    for n in [1, 2, 4, 8, 16, 32] * 5:
+        cost.observe(n, 3.0 + 0.25 * n, 3.5 + 0.25 * n, speculative=n > 1)
+    a, c = cost.fit()
+    assert a == pytest.approx(3.0, abs=1e-6) and c == pytest.approx(0.25, abs=1e-6)
+    assert cost.step_ms(10, True) == pytest.approx(3.0 + 2.5 + 0.5, abs=1e-3)
+
+
+def test_cost_model_is_flat_until_nodes_vary():
+    cost = CostModel()
+    for _ in range(5):
+        cost.observe(4, 10.0, 11.0, speculative=True)
+    assert cost.fit() == (pytest.approx(10.0), 0.0)
+
+
+def simulate(tau, forward, steps=400, batch=1, cap=32, seed=0, overhead=0.3):
+    """Run the policy against a world where budget b emits tau(b) tokens on average and a step
+    costs forward(total nodes) + overhead ms. Returns (tokens per ms over the whole run, tokens
+    per ms over the last quarter, budgets chosen by request 0)."""
+    rng = random.Random(seed)
+    cost = CostModel()
+    shared = AcceptanceTable()
+    policies = [AdaptivePolicy(cap=cap, phase=i) for i in range(batch)]
+    last_nodes, last_tokens = [1] * batch, [1] * batch
+    tokens = time = 0.0
+    chosen, per_step = [], []
+    for _ in range(steps):
+        budgets = [p.choose(cost, sum(last_nodes) - last_nodes[i], shared, sum(last_tokens) - last_tokens[i])
+                   for i, p in enumerate(policies)]
+        nodes = sum(budgets)
+        ms = forward(nodes) + overhead
+        cost.observe(nodes, forward(nodes), ms, speculative=nodes > batch)
+        for i, (p, b) in enumerate(zip(policies, budgets)):
+            mean = tau(b)
+            emitted = max(1, min(b, int(mean) + (rng.random() < mean - int(mean))))
+            if b > 1:
+                p.observe(b, emitted, shared)
+            last_nodes[i], last_tokens[i] = b, emitted
+            tokens += emitted
+            per_step.append((emitted, 0.0))
+        time += ms
+        per_step.append((0, ms))
+        chosen.append(budgets[0])
+    tail = per_step[-len(per_step) // 4:]
+    return tokens / time, sum(t for t, _ in tail) / sum(m for _, m in tail), chosen
+
+
+def plain_rate(forward, batch=1, overhead=0.3):
+    return batch / (forward(batch) + overhead)
+
+
+def test_high_acceptance_and_flat_cost_picks_a_big_tree():
+    def tau(b):
+        return 1 + 3.5 * (1 - 0.7 ** (b - 1))
+
+    def forward(n):
+        return 5.0 + 0.01 * n  # batch 1 on a GPU: weight reads dominate
+
+    rate, _, chosen = simulate(tau, forward)
+    late = chosen[-100:]
+    assert sum(b >= 8 for b in late) > 80, late
+    assert rate > 2.5 * plain_rate(forward)
+
+
+def test_useless_drafts_turn_speculation_off():
+    def tau(b):
+        return 1.02  # nothing is ever accepted
+
+    def forward(n):
+        return 5.0 + 0.05 * n
+
+    rate, steady, chosen = simulate(tau, forward)
+    assert sum(b == 1 for b in chosen[-100:]) >= 90
+    # never meaningfully slower than plain decoding, learning included
+    assert rate > 0.95 * plain_rate(forward) and steady > 0.97 * plain_rate(forward)
+
+
+def test_large_batch_where_nodes_cost_compute_turns_speculation_off():
+    def tau(b):
+        return 1 + 1.0 * (1 - 0.6 ** (b - 1))
+
+    def forward(n):
+        return 2.0 + 0.5 * n  # compute bound: every node costs as much as a token
+
+    rate, steady, chosen = simulate(tau, forward, batch=16)
+    assert sum(b == 1 for b in chosen[-100:]) >= 85
+    # the engine learns its cost slope once (the first steps of a fresh engine are exploration)
+    assert steady > 0.95 * plain_rate(forward, batch=16)
+    assert rate > 0.9 * plain_rate(forward, batch=16)
+
+
+def test_moderate_cost_prefers_a_small_tree():
+    def tau(b):
+        return 1 + 1.6 * (1 - 0.5 ** (b - 1))  # saturates quickly
+
+    def forward(n):
+        return 4.0 + 0.35 * n
+
+    _, _, chosen = simulate(tau, forward)
+    late = chosen[-100:]
+    assert max(set(late), key=late.count) in (2, 4), late
+
+
+def test_probes_neighbours_when_off():
+    policy = AdaptivePolicy(cap=16, probe_every=8, warmup=0)
+    cost = CostModel()
+    cost.observe(1, 5.0, 5.0, speculative=False)
+    cost.observe(1, 5.0, 5.0, speculative=False)
+    picks = [policy.choose(cost) for _ in range(32)]
+    assert picks.count(2) == 4 and picks.count(1) == 28
+
+
+def test_unobserved_budgets_are_not_optimistic():
+    policy = AdaptivePolicy(cap=32)
+    policy.observe(4, 3)
+    assert policy.estimate(16, None) == 3.0  # borrows from the best smaller budget tried
+    shared = AcceptanceTable()
+    shared.observe(16, 5)
+    assert policy.estimate(16, shared) == 5.0
+
+
+def test_cap_is_respected():
+    policy = AdaptivePolicy(cap=4, start=8)
+    cost = CostModel()
+    assert policy.choose(cost) == 4
+    for _ in range(50):
+        assert policy.choose(cost) <= 4
+
+
+def test_fixed_policy():
+    assert FixedPolicy(0).choose(CostModel()) == 0
+    assert FixedPolicy(1).choose(CostModel()) == 1

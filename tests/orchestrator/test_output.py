@@ -1,0 +1,108 @@
+"""Incremental detokenisation and stop strings, with the tiny byte-level tokenizer."""
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.output import REPLACEMENT, Detokenizer, OutputStream, StopMatcher
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_pair):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_pair[0])
+
+
+TEXTS = ["def add(a, b):\n    return a + b\n", "héllo wörld → 世界 🙂 done", "🙂🙂🙂", "x = 'ü'\n"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_one_token_at_a_time_never_splits_a_character(tok, text):
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > 3
+    d = Detokenizer(tok)
+    pieces = [d.push([t]) for t in ids]
+    pieces.append(d.flush())
+    assert all(REPLACEMENT not in p for p in pieces), pieces
+    assert "".join(pieces) == text
+    # multi-byte characters are split over several byte tokens: some pushes must have waited
+    if any(ord(c) > 127 for c in text):
+        assert "" in pieces[:-1]
+
+
+def test_prompt_context_is_not_repeated(tok):
+    prompt = tok("def f(x):", add_special_tokens=False)["input_ids"]
+    gen = tok("\n    return x", add_special_tokens=False)["input_ids"]
+    d = Detokenizer(tok, context=prompt)
+    assert "".join(d.push([t]) for t in gen) + d.flush() == "\n    return x"
+
+
+def test_truncated_character_is_flushed_as_replacement(tok):
+    ids = tok("a🙂", add_special_tokens=False)["input_ids"]
+    d = Detokenizer(tok)
+    text = "".join(d.push([t]) for t in ids[:-1])
+    assert text == "a"
+    assert d.flush() == REPLACEMENT
+
+
+def test_stop_matcher_across_pieces():
+    m = StopMatcher(["STOP", "\n\n"])
+    out = []
+    for piece in ["abc S", "T", "O", "x", " ST", "OP tail"]:
+        text, stopped = m.feed(piece)
+        out.append(text)
+        if stopped:
+            break
+    assert "".join(out) == "abc STOx "
+    assert stopped
+
+
+def test_stop_matcher_holds_only_possible_prefixes():
+    m = StopMatcher(["abc"])
+    assert m.feed("xxa") == ("xx", False)
+    assert m.feed("b") == ("", False)
+    assert m.feed("d") == ("abd", False)
+    assert m.flush() == ""
+
+
+@pytest.mark.parametrize("stop", ["return", "\n", "a + b", "):\n"])
+def test_output_stream_stops_before_the_stop_string(tok, stop):
+    text = "def add(a, b):\n    return a + b\n"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    s = OutputStream(tok, [stop])
+    got_text, got_ids, stopped = "", [], False
+    for t in ids:
+        c = s.push([t])
+        got_text += c.text
+        got_ids += c.token_ids
+        if c.stopped:
+            stopped = True
+            break
+    assert stopped
+    assert got_text == text[: text.index(stop)]
+    # the ids sent cover the text sent, and no token that starts after the stop
+    assert tok.decode(got_ids).startswith(got_text)
+    assert len(tok.decode(got_ids)) < len(got_text) + len(stop) + 8
+
+
+def test_output_stream_without_stop_releases_ids_with_their_text(tok):
+    text = "héllo 世界 🙂\n"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    s = OutputStream(tok, ["zzz"])
+    got_text, got_ids = "", []
+    for i in range(0, len(ids), 2):
+        c = s.push(ids[i:i + 2])
+        assert REPLACEMENT not in c.text
+        got_text += c.text
+        got_ids += c.token_ids
+        assert tok.decode(got_ids) == got_text  # ids and text always agree
+    c = s.finish()
+    assert got_text + c.text == text
+    assert got_ids + c.token_ids == ids
+
+
+def test_output_stream_without_tokenizer_passes_ids():
+    s = OutputStream(None)
+    assert s.push([1, 2]).token_ids == [1, 2]
+    with pytest.raises(ValueError):
+        OutputStream(None, ["x"])

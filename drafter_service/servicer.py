@@ -66,7 +66,7 @@ class DrafterServicer(pbg.DrafterServicer):
 
     @grpc_errors
     def Speculate(self, request_iterator, context):
-        for req in request_iterator:
+        for req in _until_client_leaves(request_iterator):
             try:
                 reply = self.drafter.draft(call_from_proto(req))
             except Exception as exc:  # noqa: BLE001 - per-request errors travel in the response
@@ -86,3 +86,12 @@ class DrafterServicer(pbg.DrafterServicer):
             draft_ahead_hits=m.ahead_hits, draft_ahead_misses=m.ahead_misses, mean_draft_ms=m.mean_draft_ms,
             saved_draft_ms=m.saved_ms,
         )
+
+
+def _until_client_leaves(requests):
+    """The stream's requests until the client closes or cancels it. A cancel is how an
+    orchestrator ends its stream (shutdown, reconnect), not a failure of this service."""
+    try:
+        yield from requests
+    except grpc.RpcError:
+        return

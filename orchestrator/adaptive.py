@@ -14,15 +14,20 @@ a token of another sequence, and the same formula turns speculation off.
 - tau(b) is an exponential moving average of the tokens emitted per step at budget b, per request
   (acceptance depends on the text), falling back to the engine-wide average for budgets the
   request has not tried, and otherwise to the nearest smaller tried budget (never optimistic).
+  Until some acceptance has been measured (by the request or engine-wide) the request drafts at
+  `start`; a warm cost model alone (e.g. from plain traffic) is no reason to begin at 1.
 - step_ms(n) = forward_ms(n) + overhead: the verifier's forward time is fitted as a + c * n over
   the nodes of the whole batch (least squares with forgetting), so large batches, where every
   extra node costs real compute, naturally push the choice towards 1; the overhead (drafting,
   RPCs) is measured separately for speculative and plain steps.
 - Every `probe_every` steps the request tries a neighbour of its best budget (alternately one
-  larger and one smaller) so the estimates stay current; this bounds the cost of exploring to a
-  small fraction of the steps. During the first `warmup` steps it probes every other step: until
-  the batch has verified different node counts the cost slope is unknown (assumed flat). Each
-  request probes at its own `phase`, so a large batch does not probe all at once.
+  larger and one smaller) so the estimates stay current; while speculation is off it tries the
+  best-scoring budget above 1 instead, because drafting has a fixed cost per step (a drafter
+  RPC, a draft-model forward per tree level): budget 2 may not pay where 8 does, so probing only
+  2 could keep speculation off for good. This bounds the cost of exploring to a small fraction of
+  the steps. During the first `warmup` steps it probes every other step: until the batch has
+  verified different node counts the cost slope is unknown (assumed flat). Each request probes
+  at its own `phase`, so a large batch does not probe all at once.
 """
 from __future__ import annotations
 
@@ -107,7 +112,7 @@ class AcceptanceTable:
 @dataclass
 class AdaptivePolicy:
     """Per-request budget choice. `cap`: the largest budget allowed (the request's node budget or
-    the verifier's tree limit); `start`: the budget used before anything has been measured."""
+    the verifier's tree limit); `start`: the budget used until some acceptance has been measured."""
 
     cap: int
     start: int = 8
@@ -137,7 +142,7 @@ class AdaptivePolicy:
         """Budget for this request's next tree. `other_nodes` / `other_tokens`: what the rest of
         the batch verifies / emits per step."""
         self.steps += 1
-        if not cost.observed and len(self.table.tau) == 0:
+        if not self.table.tau and (shared is None or not shared.tau):
             self.best = self.start
             return self.start
         speculative = other_nodes > other_tokens  # does the rest of the batch speculate?
@@ -146,6 +151,8 @@ class AdaptivePolicy:
         self.best = max(self.budgets, key=lambda b: (scores[b], -b))
         every = 2 if self.steps <= self.warmup else self.probe_every
         if every and (self.steps + self.phase) % every == 0 and len(self.budgets) > 1:
+            if self.best == 1:  # off: re-check the most promising tree, not just the smallest
+                return max(self.budgets[1:], key=lambda b: (scores[b], -b))
             return self._neighbour(self.best)
         return self.best
 

@@ -3,7 +3,6 @@ wait until its health check says SERVING, stop it."""
 from __future__ import annotations
 
 import os
-import pathlib
 import re
 import signal
 import socket
@@ -53,6 +52,7 @@ class Child:
         self.args = [str(a) for a in args]
         self.log_path = log_path or tempfile.mkstemp(prefix=f"treeserve-{name}-", suffix=".log")[1]
         self._log = open(self.log_path, "ab")
+        self._log_start = self._log.tell()  # a reused log file: an earlier run's 'listening on' is stale
         full_env = dict(os.environ)
         full_env.update(env or {})
         cmd = [*prefix, sys.executable, "-m", "treeserve.cli", *self.args]
@@ -80,8 +80,11 @@ class Child:
         return self.address
 
     def output(self) -> str:
+        """What this process has written to its log."""
         try:
-            return pathlib.Path(self.log_path).read_text(errors="replace")
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                return f.read().decode(errors="replace")
         except OSError:
             return ""
 

@@ -58,7 +58,7 @@ def servers(tiny_pair):
     ngram = Served("--ngram", "--auth-token", TOKEN)
     model = Served("--model", str(tiny_pair[1]), "--node-budget", "8", "--max-depth", "3", "--max-sequences", "4")
     try:
-        yield {"ngram": ngram.wait_serving(), "model": model.wait_serving()}
+        yield {"ngram": ngram.wait_serving(), "model": model.wait_serving(), "ngram_proc": ngram}
     finally:
         ngram.stop()
         model.stop()
@@ -116,3 +116,17 @@ def test_model_service_stream(servers, prompt):
         with pytest.raises(grpc.RpcError) as info:
             client.start("m3", prompt, options=DraftOptions("chain", -4))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_client_cancelling_its_stream_is_not_an_error(servers):
+    """An orchestrator ends its Speculate stream by cancelling it (shutdown, reconnect): the
+    drafter logs nothing for it and keeps serving."""
+    served = servers["ngram_proc"]
+    with DrafterClient(servers["ngram"], auth_token=TOKEN) as client:
+        client.start("c1", [3, 4, 5, 3, 4], options=DraftOptions(node_budget=4, max_depth=2))
+        s = client.stream()
+        assert s.draft("c1", 5, root=5).error is None
+        s._responses.cancel()
+        time.sleep(1.0)  # the server sees the cancel at once; give it time to (not) log
+        assert client.end("c1")
+    assert not [line for line in served.lines if "Speculate failed" in line or "Traceback" in line], served.lines

@@ -30,12 +30,16 @@ def test_cost_model_is_flat_until_nodes_vary():
     assert cost.fit() == (pytest.approx(10.0), 0.0)
 
 
-def simulate(tau, forward, steps=400, batch=1, cap=32, seed=0, overhead=0.3):
+def simulate(tau, forward, steps=400, batch=1, cap=32, seed=0, overhead=0.3, draft_overhead=None, warm_plain=0):
     """Run the policy against a world where budget b emits tau(b) tokens on average and a step
-    costs forward(total nodes) + overhead ms. Returns (tokens per ms over the whole run, tokens
-    per ms over the last quarter, budgets chosen by request 0)."""
+    costs forward(total nodes) + overhead ms (+ draft_overhead when anything is drafted: the
+    fixed cost of asking a drafter). `warm_plain`: plain steps the engine verified before (other
+    requests without speculation). Returns (tokens per ms over the whole run, tokens per ms over
+    the last quarter, budgets chosen by request 0)."""
     rng = random.Random(seed)
     cost = CostModel()
+    for _ in range(warm_plain):
+        cost.observe(batch, forward(batch), forward(batch) + overhead, speculative=False)
     shared = AcceptanceTable()
     policies = [AdaptivePolicy(cap=cap, phase=i) for i in range(batch)]
     last_nodes, last_tokens = [1] * batch, [1] * batch
@@ -45,7 +49,7 @@ def simulate(tau, forward, steps=400, batch=1, cap=32, seed=0, overhead=0.3):
         budgets = [p.choose(cost, sum(last_nodes) - last_nodes[i], shared, sum(last_tokens) - last_tokens[i])
                    for i, p in enumerate(policies)]
         nodes = sum(budgets)
-        ms = forward(nodes) + overhead
+        ms = forward(nodes) + overhead + (draft_overhead or 0.0) * (nodes > batch)
         cost.observe(nodes, forward(nodes), ms, speculative=nodes > batch)
         for i, (p, b) in enumerate(zip(policies, budgets)):
             mean = tau(b)
@@ -118,13 +122,66 @@ def test_moderate_cost_prefers_a_small_tree():
     assert max(set(late), key=late.count) in (2, 4), late
 
 
+def test_fixed_drafting_cost_after_plain_traffic_still_finds_the_big_tree():
+    """The engine has verified plain requests before (a warm cost model) and every drafted step
+    pays a fixed drafter cost: budget 2 does not pay but 8 and 16 do. A policy that starts at 1
+    and only ever probes 2 keeps speculation off for good."""
+    def tau(b):
+        return 1 + 4.0 * (1 - 0.75 ** (b - 1))
+
+    def forward(n):
+        return 10.0 + 0.5 * n
+
+    rate, steady, chosen = simulate(tau, forward, warm_plain=50, overhead=2.0, draft_overhead=20.0)
+    assert chosen[0] == 8  # nothing measured about acceptance yet: the start budget, not 1
+    late = chosen[-100:]
+    assert sum(b >= 8 for b in late) > 80, late
+    assert steady > 1.4 * plain_rate(forward, overhead=2.0)
+
+
+def test_fixed_drafting_cost_that_never_pays_turns_speculation_off():
+    def tau(b):
+        return 1 + 2.0 * (1 - 0.6 ** (b - 1))
+
+    def forward(n):
+        return 10.0 + 0.5 * n
+
+    rate, steady, chosen = simulate(tau, forward, warm_plain=50, overhead=2.0, draft_overhead=40.0)
+    assert sum(b == 1 for b in chosen[-100:]) >= 90
+    assert steady > 0.8 * plain_rate(forward, overhead=2.0)
+
+
 def test_probes_neighbours_when_off():
+    """Off (budget 2 measured useless): probes every `probe_every` steps, at the best budget
+    above 1 (all equal here, so the cheapest)."""
     policy = AdaptivePolicy(cap=16, probe_every=8, warmup=0)
     cost = CostModel()
     cost.observe(1, 5.0, 5.0, speculative=False)
     cost.observe(1, 5.0, 5.0, speculative=False)
+    policy.observe(2, 1)
     picks = [policy.choose(cost) for _ in range(32)]
     assert picks.count(2) == 4 and picks.count(1) == 28
+
+
+def test_probes_the_most_promising_tree_when_off():
+    policy = AdaptivePolicy(cap=16, probe_every=4, warmup=0)
+    cost = CostModel()
+    for n, spec in [(1, False), (1, False), (8, True), (8, True)]:
+        cost.observe(n, 5.0, 5.0 + (40.0 if spec else 0.0), speculative=spec)
+    policy.observe(2, 1)
+    policy.observe(8, 4)  # pays per token less than plain decoding at this drafting cost
+    picks = [policy.choose(cost) for _ in range(16)]
+    assert set(picks) == {1, 8} and picks.count(8) == 4
+
+
+def test_starts_at_the_start_budget_on_a_warm_engine():
+    cost = CostModel()
+    for _ in range(20):
+        cost.observe(1, 5.0, 5.5, speculative=False)
+    assert AdaptivePolicy(cap=32, start=8).choose(cost, shared=AcceptanceTable()) == 8
+    shared = AcceptanceTable()
+    shared.observe(8, 1)  # other requests measured that drafting is useless here
+    assert AdaptivePolicy(cap=32, start=8).choose(cost, shared=shared) == 1
 
 
 def test_unobserved_budgets_are_not_optimistic():

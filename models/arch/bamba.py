@@ -23,7 +23,9 @@ def _rope(hf, head_dim: int, path: str) -> tuple[int, float]:
     return int(head_dim * factor), float(params.get("rope_theta", 10000.0))
 
 
-def normalise(hf, path: str) -> HybridConfig:
+def mamba_spec(hf, path: str) -> MambaSpec:
+    """The Mamba2 mixer of a config with Bamba's `mamba_*` fields (Bamba, GraniteMoeHybrid): the
+    gated RMSNorm spans all of d_inner, as in transformers."""
     d_inner = int(hf.mamba_expand * hf.hidden_size)
     if d_inner != hf.mamba_n_heads * hf.mamba_d_head:
         raise CheckpointError(
@@ -31,8 +33,7 @@ def normalise(hf, path: str) -> HybridConfig:
             f"({hf.mamba_n_heads * hf.mamba_d_head})",
             path=path,
         )
-    common.require_silu(hf.hidden_act, "Bamba", path)
-    mamba = MambaSpec(
+    return MambaSpec(
         n_heads=hf.mamba_n_heads,
         head_dim=hf.mamba_d_head,
         d_state=hf.mamba_d_state,
@@ -45,6 +46,11 @@ def normalise(hf, path: str) -> HybridConfig:
         dt_limit=tuple(float(v) for v in (hf.time_step_limit or (0.0, float("inf")))),
         chunk_size=hf.mamba_chunk_size,
     )
+
+
+def normalise(hf, path: str) -> HybridConfig:
+    common.require_silu(hf.hidden_act, "Bamba", path)
+    mamba = mamba_spec(hf, path)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     rotary_dim, theta = _rope(hf, head_dim, path)
     attn = AttentionSpec(

@@ -11,7 +11,7 @@ Published checkpoints name the experts `input_linear` / `output_linear` and the 
 from __future__ import annotations
 
 from models.arch import common
-from models.arch.bamba import _rope
+from models.arch.bamba import _rope, mamba_spec
 from models.config import AttentionSpec, HybridConfig, MambaSpec, MLPSpec, MoESpec
 from models.errors import CheckpointError
 
@@ -19,27 +19,8 @@ MODEL_TYPES = ("granitemoehybrid",)
 
 
 def normalise(hf, path: str) -> HybridConfig:
-    d_inner = int(hf.mamba_expand * hf.hidden_size)
-    if d_inner != hf.mamba_n_heads * hf.mamba_d_head:
-        raise CheckpointError(
-            f"mamba_expand * hidden_size ({d_inner}) != mamba_n_heads * mamba_d_head "
-            f"({hf.mamba_n_heads * hf.mamba_d_head})",
-            path=path,
-        )
     common.require_silu(hf.hidden_act, "GraniteMoeHybrid", path)
-    mamba = MambaSpec(
-        n_heads=hf.mamba_n_heads,
-        head_dim=hf.mamba_d_head,
-        d_state=hf.mamba_d_state,
-        n_groups=hf.mamba_n_groups,
-        d_conv=hf.mamba_d_conv,
-        conv_bias=bool(hf.mamba_conv_bias),
-        proj_bias=bool(hf.mamba_proj_bias),
-        norm_group_size=d_inner,
-        norm_eps=hf.rms_norm_eps,
-        dt_limit=tuple(float(v) for v in (hf.time_step_limit or (0.0, float("inf")))),
-        chunk_size=hf.mamba_chunk_size,
-    )
+    mamba = mamba_spec(hf, path)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     rotary_dim, theta = _rope(hf, head_dim, path) if hf.position_embedding_type == "rope" else (0, 10000.0)
     attn = AttentionSpec(

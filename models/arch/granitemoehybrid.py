@@ -13,7 +13,6 @@ from __future__ import annotations
 from models.arch import common
 from models.arch.bamba import _rope, mamba_spec
 from models.config import AttentionSpec, HybridConfig, MambaSpec, MLPSpec, MoESpec
-from models.errors import CheckpointError
 
 MODEL_TYPES = ("granitemoehybrid",)
 

@@ -16,12 +16,17 @@ _HOME = {
     "conv_state_commit": "kernels.conv_tree",
     "conv1d_prefill": "kernels.conv_tree",
     "tree_ssd_scan": "kernels.ssd_tree",
+    "ancestor_bits": "kernels.tree_struct",
     "ssm_state_commit": "kernels.ssm_commit",
     "ssm_chain_update": "kernels.ssm_decode",
+    "mamba_decode_step": "kernels.mamba_decode",
     "ssd_prefill": "kernels.ssd_prefill",
     "write_tree_kv": "kernels.tree_attention",
     "tree_attention": "kernels.tree_attention",
     "kv_commit": "kernels.tree_attention",
+    "rms_norm": "kernels.norms",
+    "add_rms_norm": "kernels.norms",
+    "gated_rms_norm": "kernels.norms",
 }
 
 
@@ -51,9 +56,14 @@ tree_conv1d = _dispatcher("tree_conv1d")
 conv_state_commit = _dispatcher("conv_state_commit")
 conv1d_prefill = _dispatcher("conv1d_prefill")
 tree_ssd_scan = _dispatcher("tree_ssd_scan")
+ancestor_bits = _dispatcher("ancestor_bits")
 ssm_state_commit = _dispatcher("ssm_state_commit")
 ssm_chain_update = _dispatcher("ssm_chain_update")
+mamba_decode_step = _dispatcher("mamba_decode_step")
 ssd_prefill = _dispatcher("ssd_prefill")
 write_tree_kv = _dispatcher("write_tree_kv")
 tree_attention = _dispatcher("tree_attention")
 kv_commit = _dispatcher("kv_commit")
+rms_norm = _dispatcher("rms_norm")
+add_rms_norm = _dispatcher("add_rms_norm")
+gated_rms_norm = _dispatcher("gated_rms_norm")

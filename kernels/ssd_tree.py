@@ -2,10 +2,11 @@
 
 For node i with root-to-i path anc*(i), starting from the committed state h0 (design §4):
 
-    y_i = sum_{j in anc*(i)} exp(sum of dA over the path after j) (C_i . B_j) dt_j x_j
+    y_i = sum_{j in anc*(i)} exp(dAcs_i - dAcs_j) (C_i . B_j) dt_j x_j
           + exp(dAcs_i) C_i . h0 + D x_i                            (times silu(z_i) if z is given)
 
-Per-node states are never formed. The state pool is only read.
+with dAcs_i the sum of dt A over anc*(i). Per-node states are never formed; the state pool is only
+read. The ancestor relation comes in as the per-forward bit mask of `kernels.tree_struct`.
 """
 from __future__ import annotations
 
@@ -29,14 +30,16 @@ from kernels.ssm_common import (
     softplus_clamped,
 )
 from kernels.tree_index import ancestor_mask, block_nodes, tree_sizes
+from kernels.tree_struct import ancestor_bits, ancestor_mask_from_bits, words_per_row
 
 
 def tree_ssd_scan_ref(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes, dt_limit,
-                      z=None):
+                      z=None, ancestors=None):
     """PyTorch twin of `tree_ssd_scan`.
 
     x (T, H, P), dt (T, H) raw, A (H,) fp32 negative, B/C (T, G, N), D (H,) or None, dt_bias (H,) or None,
-    ssm_state (S, H, P, N) fp32, parents (T,) local, cu_seqlens (B+1,), slot_idx (B,), z (T, H, P) or None
+    ssm_state (S, H, P, N) fp32, parents (T,) local, cu_seqlens (B+1,), slot_idx (B,), z (T, H, P) or None,
+    ancestors (T, W) int32 from `tree_struct.ancestor_bits` or None (then built from parents)
     -> y (T, H, P) in x.dtype.
     """
     H = x.shape[1]
@@ -46,7 +49,10 @@ def tree_ssd_scan_ref(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens
     valid = local[None, :] < sizes[:, None]  # (Bt, n)
     rows = torch.where(valid, cu_seqlens[:-1].long()[:, None] + local[None, :], torch.zeros_like(local[None, :]))
 
-    M = ancestor_mask(parents, cu_seqlens, n)  # (Bt, n, n)
+    if ancestors is None:
+        M = ancestor_mask(parents, cu_seqlens, n)  # (Bt, n, n)
+    else:
+        M = ancestor_mask_from_bits(ancestors, cu_seqlens, n)
     dtv = dt_activation(dt, dt_bias, dt_limit)[rows] * valid[..., None]  # (Bt, n, H)
     # path sums in float64: differences of large negative fp32 sums would lose the small segments
     dAcs = torch.einsum("bij,bjh->bih", M.double(), (dtv * A.float()).double())
@@ -75,33 +81,68 @@ MAX_TILE = 64
 N_CHUNK = 64
 
 
-@triton.jit
-def _walk_block(cur, s, j0, BI: tl.constexpr, start, parents_ptr, dt_ptr, sdt_t, sdt_h, h, bias, A, dt_lo, dt_hi):
-    """Advance every row's ancestor walk through the column block [j0, j0 + BI).
+# Path sums. With M the ancestor-or-self mask and dA_j = dt_j A, node i's cumulative sum is
+# dAcs_i = sum_j M[i, j] dA_j, and the decay from ancestor j to i is exp(dAcs_i - dAcs_j). Both are
+# formed from the per-forward bit mask (kernels.tree_struct) with masked row sums, so no program walks
+# parent pointers. The sums run in float64: a difference of two long fp32 sums would lose a short
+# segment's value whenever the path above it is large (big dt, big |A|), while in float64 even sums
+# of 256 terms near -1e4 keep the exponent's error below 1e-7, under fp32 rounding of the decay. Each
+# dA is clamped at -1e4 first: any segment containing a clamped node still decays to exactly 0 in fp32
+# (exp underflows below -104), and every sum stays finite. (tests/kernels/test_ssd_tree.py has a case
+# that fp32 sums fail.)
 
-    Returns the block's decay tile (exp of the path sum after column j for each ancestor j of row i,
-    0 elsewhere) and the updated walk state; rows whose walk is already below j0 wait."""
-    offs_j = j0 + tl.arange(0, BI)
-    decay = tl.zeros([BI, BI], dtype=tl.float32)
-    while tl.max(cur, axis=0) >= j0:
-        hit = offs_j[None, :] == cur[:, None]
-        decay = tl.where(hit, tl.exp(tl.minimum(s, 0.0))[:, None], decay)
-        live = cur >= j0
-        tok = start + tl.where(live, cur, 0)
-        par = tl.load(parents_ptr + tok, mask=live, other=-1)
-        dt = tl.load(dt_ptr + tok * sdt_t + h * sdt_h, mask=live, other=0.0).to(tl.float32)
-        s += tl.where(live, softplus_clamped(dt + bias, dt_lo, dt_hi) * A, 0.0)
-        cur = tl.where(live, par, cur)
-    return decay, cur, s
+
+@triton.jit
+def _ancestor_tile(anc_ptr, sa_t, tok_rows, rows_ok, j0, BI: tl.constexpr):
+    """(BI, BI) bool: is local node j0 + c an ancestor-or-self of packed node tok_rows[r]?"""
+    cols = j0 + tl.arange(0, BI)
+    words = tl.load(anc_ptr + tok_rows[:, None] * sa_t + (cols // 32)[None, :], mask=rows_ok[:, None], other=0)
+    return ((words >> (cols % 32)[None, :]) & 1) != 0
+
+
+@triton.jit
+def _node_dt(dt_ptr, sdt_t, sdt_h, start, n, j0, h, bias, dt_lo, dt_hi, BI: tl.constexpr):
+    """(BI,) activated fp32 dt of local nodes j0 .. j0 + BI of one tree and head (0 past the tree)."""
+    j = j0 + tl.arange(0, BI)
+    ok = j < n
+    v = tl.load(dt_ptr + (start + j) * sdt_t + h * sdt_h, mask=ok, other=0.0).to(tl.float32)
+    return tl.where(ok, softplus_clamped(v + bias, dt_lo, dt_hi), 0.0)
+
+
+@triton.jit
+def _masked_row_sum(m, dA):
+    """(BI,) fp64 sum over columns j with m[:, j] of dA[j] ((BI,) fp32, each clamped at -1e4)."""
+    return tl.sum(tl.where(m, tl.maximum(dA, -1.0e4)[None, :], 0.0).to(tl.float64), axis=1)
+
+
+@triton.jit
+def _path_sums(anc_ptr, sa_t, dt_ptr, sdt_t, sdt_h, start, n, tok, ok, nblk, h, bias, A, dt_lo, dt_hi,
+               BI: tl.constexpr):
+    """(BI,) fp64: for packed nodes `tok`, dA summed over their ancestors-or-self in column blocks
+    0 .. nblk - 1. Each block is a mask tile and a dt vector: independent loads, no chains."""
+    acc = tl.zeros([BI], dtype=tl.float64)
+    for k in range(0, nblk):
+        m = _ancestor_tile(anc_ptr, sa_t, tok, ok, k * BI, BI)
+        acc += _masked_row_sum(m, _node_dt(dt_ptr, sdt_t, sdt_h, start, n, k * BI, h, bias, dt_lo, dt_hi, BI) * A)
+    return acc
+
+
+@triton.jit
+def _decay(m, dacs_rows, dacs_cols):
+    """(BI, BI) fp32: exp(dAcs_i - dAcs_j) where column j is an ancestor-or-self of row i, else 0.
+    The exponent is clamped at 0 (exact for ancestors) and non-ancestors are selected away, never
+    multiplied, so their possibly huge exponents cannot make inf * 0."""
+    seg = (dacs_rows[:, None] - dacs_cols[None, :]).to(tl.float32)
+    return tl.where(m, tl.exp(tl.minimum(seg, 0.0)), 0.0)
 
 
 @triton.jit
 def _tree_ssd_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, bias_ptr, state_ptr, z_ptr, y_ptr,
-    parents_ptr, cu_ptr, slot_ptr,
+    anc_ptr, cu_ptr, slot_ptr,
     heads_per_group, dt_lo, dt_hi,
     sx_t, sx_h, sx_p, sdt_t, sdt_h, sb_t, sb_g, sb_n, sc_t, sc_g, sc_n,
-    ss_s, ss_h, ss_p, ss_n, sz_t, sz_h, sz_p, sy_t, sy_h, sy_p,
+    ss_s, ss_h, ss_p, ss_n, sz_t, sz_h, sz_p, sy_t, sy_h, sy_p, sa_t,
     P: tl.constexpr, N: tl.constexpr,
     ROW_TILES: tl.constexpr, BI: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PREC: tl.constexpr,
@@ -131,7 +172,7 @@ def _tree_ssd_kernel(
 
     # C_i . B_j of the diagonal block (its columns are this tile's own nodes) and, for one-tile trees,
     # the committed-state term C_i . h0 in the same pass over d_state: it is the only sizeable memory
-    # read, so it is issued first. Taller trees fetch it after the walk, to keep registers free.
+    # read, so it is issued first. Taller trees fetch it after the lower blocks, to keep registers free.
     st = state_ptr + slot * ss_s + h * ss_h
     ch = tl.zeros([BI, BP], dtype=tl.float32)
     cb_diag = tl.zeros([BI, BI], dtype=tl.float32)
@@ -150,23 +191,27 @@ def _tree_ssd_kernel(
     x_rows = tl.load(x_ptr + tok_i[:, None] * sx_t + h * sx_h + offs_p[None, :] * sx_p,
                      mask=row_ok[:, None] & p_ok[None, :], other=0.0).to(tl.float32)
 
-    # Ancestor walk: `cur` is each row's current ancestor, `s` the dA summed over the path strictly
-    # after it, so L[i, cur] = exp(s_i) exactly (a sum over a segment, never a difference of sums).
-    # Column blocks go from the diagonal down to block 0: since parent(i) < i, a walk that has left
-    # a block never returns to it. The diagonal block's columns are this tile's own rows.
-    cur = tl.where(row_ok, offs_i, -1)
-    s = tl.zeros([BI], dtype=tl.float32)
-    decay, cur, s = _walk_block(cur, s, row0, BI, start, parents_ptr, dt_ptr, sdt_t, sdt_h, h, bias, A, dt_lo, dt_hi)
-    dt_i = tl.load(dt_ptr + tok_i * sdt_t + h * sdt_h, mask=row_ok, other=0.0).to(tl.float32)
-    dt_i = tl.where(row_ok, softplus_clamped(dt_i + bias, dt_lo, dt_hi), 0.0)
+    # Path sums of this tile's rows. The diagonal block's columns are the rows themselves, so its
+    # ancestor tile and dt serve both the sums and the diagonal decay; lower blocks add their part.
+    # (Loading these two before the d_state pass costs ~60 more registers per thread on sm_90.)
+    dt_i = _node_dt(dt_ptr, sdt_t, sdt_h, start, n, row0, h, bias, dt_lo, dt_hi, BI)
+    m_diag = _ancestor_tile(anc_ptr, sa_t, tok_i, row_ok, row0, BI)
+    dacs_i = _masked_row_sum(m_diag, dt_i * A)
+    if ROW_TILES > 1:
+        dacs_i += _path_sums(anc_ptr, sa_t, dt_ptr, sdt_t, sdt_h, start, n, tok_i, row_ok, rt, h, bias, A,
+                             dt_lo, dt_hi, BI)
+    decay = _decay(m_diag, dacs_i, dacs_i)
     acc = tl.dot(decay * cb_diag, x_rows * dt_i[:, None], input_precision=PREC)
     if HAS_D:  # added now so x_rows need not stay live
         acc += tl.load(D_ptr + h).to(tl.float32) * x_rows
 
-    for k in range(1, rt + 1):  # blocks below the diagonal (trees taller than one tile)
-        j0 = (rt - k) * BI
-        decay, cur, s = _walk_block(cur, s, j0, BI, start, parents_ptr, dt_ptr, sdt_t, sdt_h, h, bias, A, dt_lo, dt_hi)
+    for k in range(0, rt):  # blocks below the diagonal (trees taller than one tile)
+        j0 = k * BI
         tok_j = start + j0 + tl.arange(0, BI)  # always inside the tree: j0 + BI <= row0 < n
+        col_ok = j0 + tl.arange(0, BI) < n
+        dacs_j = _path_sums(anc_ptr, sa_t, dt_ptr, sdt_t, sdt_h, start, n, tok_j, col_ok, k + 1, h, bias, A,
+                            dt_lo, dt_hi, BI)
+        decay = _decay(_ancestor_tile(anc_ptr, sa_t, tok_i, row_ok, j0, BI), dacs_i, dacs_j)
         cb = tl.zeros([BI, BI], dtype=tl.float32)
         for n0 in tl.static_range(0, N, BN):
             nn = n0 + offs_n
@@ -178,7 +223,7 @@ def _tree_ssd_kernel(
             cb += tl.dot(c, tl.trans(b), input_precision=PREC)
         xj = tl.load(x_ptr + tok_j[:, None] * sx_t + h * sx_h + offs_p[None, :] * sx_p,
                      mask=p_ok[None, :], other=0.0).to(tl.float32)
-        dt_j = softplus_clamped(tl.load(dt_ptr + tok_j * sdt_t + h * sdt_h).to(tl.float32) + bias, dt_lo, dt_hi)
+        dt_j = _node_dt(dt_ptr, sdt_t, sdt_h, start, n, j0, h, bias, dt_lo, dt_hi, BI)
         acc += tl.dot(decay * cb, xj * dt_j[:, None], input_precision=PREC)
 
     if ROW_TILES > 1:
@@ -190,7 +235,7 @@ def _tree_ssd_kernel(
             h0 = tl.load(st + offs_p[:, None] * ss_p + nn[None, :] * ss_n,
                          mask=p_ok[:, None] & n_ok[None, :], other=0.0)
             ch += tl.dot(c, tl.trans(h0), input_precision=PREC)
-    y = acc + tl.exp(tl.minimum(s, 0.0))[:, None] * ch
+    y = acc + tl.exp(tl.minimum(dacs_i.to(tl.float32), 0.0))[:, None] * ch
     io_mask = row_ok[:, None] & p_ok[None, :]
     if HAS_Z:
         zi = tl.load(z_ptr + tok_i[:, None] * sz_t + h * sz_h + offs_p[None, :] * sz_p,
@@ -200,8 +245,16 @@ def _tree_ssd_kernel(
              y.to(y_ptr.dtype.element_ty), mask=io_mask)
 
 
-def tree_ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes, dt_limit, z=None):
-    """Triton `tree_ssd_scan`: same contract as `tree_ssd_scan_ref`; `ssm_state` is only read."""
+def tree_ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes, dt_limit, z=None,
+                  ancestors=None, *, block_p: int | None = None, num_warps: int | None = None,
+                  maxnreg: int | None = None):
+    """Triton `tree_ssd_scan`: same contract as `tree_ssd_scan_ref`; `ssm_state` is only read.
+
+    `ancestors` (T, W) int32 is `tree_struct.ancestor_bits(parents, cu_seqlens, max_nodes)`, built once
+    per forward and shared by every layer; when None it is built here (one extra launch).
+    Keyword-only tuning knobs (benchmarks): `block_p` headdim columns per program (power of two >= 16),
+    `num_warps`, `maxnreg` register cap per thread (0: none); None picks the defaults below.
+    """
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     hpg = heads_per_group(H, G)
@@ -209,27 +262,51 @@ def tree_ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, sl
     nb = cu_seqlens.numel() - 1
     if T == 0 or nb == 0:
         return y
+    if ancestors is None:
+        ancestors = ancestor_bits(parents, cu_seqlens, max_nodes)
+    elif (ancestors.shape != (T, words_per_row(max_nodes)) or ancestors.dtype != torch.int32
+          or ancestors.stride(1) != 1):
+        raise ValueError(f"ancestors must be ({T}, {words_per_row(max_nodes)}) int32 with contiguous rows, got "
+                         f"{tuple(ancestors.shape)} {ancestors.dtype}")
     lo, hi = limits(dt_limit)
     bn = block_nodes(max_nodes)
     bi = min(bn, MAX_TILE)
-    bp = min(64, pow2(P))
+    # Tiles are at least 32 wide (masked past P and N): with 16-wide headdim/d_state tiles and 64-node
+    # trees, triton 3.6 compiled a scan that read shared memory out of bounds on sm_90
+    # (compute-sanitizer); real layers have P, N >= 32 and are unaffected.
+    bp = block_p or max(32, min(64, pow2(P)))
     n_prog = nb * (bn // bi) * H
-    if bp > 32 and n_prog * triton.cdiv(P, bp) < 2 * _sm_count(x.device):
+    if block_p is None and bp > 32 and n_prog * triton.cdiv(P, bp) < 2 * _sm_count(x.device):
         bp = 32  # small batches: split headdim so more SMs share the state read
+    if num_warps is None:
+        # Large grids (batches of trees) keep every SM busy with several programs: 4 warps each ran
+        # batch-16 64-node trees in 0.67x the time of 8 warps on an H200 (bench.ssm_kernels sweep).
+        num_warps = 4 if n_prog * triton.cdiv(P, bp) >= 4 * _sm_count(x.device) else 8
+    if maxnreg is None:
+        # Two programs per SM (2 x 8 warps x 128 registers fill the register file), so the grid of a
+        # small batch runs in one wave. Only where that costs no spills on sm_90 (tests/gpu compile
+        # test): half-precision 64-node tiles (one tile) at this headdim block, 139 registers uncapped.
+        # 16-node tiles need ~100 anyway; 32-node ones would spill at 128.
+        # Only at the layer shapes where this was checked on an H200 (d_state 128, headdim >= 64): a
+        # small-state layer (headdim 32, d_state 32) compiled under the cap read shared memory out of
+        # bounds (compute-sanitizer, triton 3.6).
+        fits = (bp <= 32 and bn == MAX_TILE and x.dtype != torch.float32 and num_warps == 8
+                and N >= 128 and P >= 64)
+        maxnreg = 128 if fits else 0
     grid = (nb * (bn // bi), H, triton.cdiv(P, bp))
     D_arg = D if D is not None else A
     bias = dt_bias if dt_bias is not None else torch.zeros_like(A)
     zt = z if z is not None else x
     _tree_ssd_kernel[grid](
         x, dt, A, B, C, D_arg, bias, ssm_state, zt, y,
-        as_int32(parents), as_int32(cu_seqlens), as_int32(slot_idx),
+        ancestors, as_int32(cu_seqlens), as_int32(slot_idx),
         hpg, lo, hi,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
-        *ssm_state.stride(), *zt.stride(), *y.stride(),
-        P=P, N=N, ROW_TILES=bn // bi, BI=bi, BP=bp, BN=min(N_CHUNK, pow2(N)),
+        *ssm_state.stride(), *zt.stride(), *y.stride(), ancestors.stride(0),
+        P=P, N=N, ROW_TILES=bn // bi, BI=bi, BP=bp, BN=max(32, min(N_CHUNK, pow2(N))),
         HAS_D=D is not None, HAS_Z=z is not None, PREC=dot_precision(x.dtype),
-        num_warps=8,  # fewer registers per thread for the (nodes x nodes) and (nodes x headdim) tiles
-        num_stages=1,
+        num_warps=num_warps,
+        num_stages=1, maxnreg=maxnreg or None,
     )
     return y
 

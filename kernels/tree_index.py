@@ -17,6 +17,14 @@ def tree_sizes(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return (cu_seqlens[1:] - cu_seqlens[:-1]).long()
 
 
+def packed_rows(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T,) tree index and (T,) local node index of every packed node (no host sync)."""
+    sizes = tree_sizes(cu_seqlens)
+    tree = torch.repeat_interleave(torch.arange(sizes.numel(), device=cu_seqlens.device), sizes, output_size=total)
+    local = torch.arange(total, device=cu_seqlens.device) - cu_seqlens[:-1].long()[tree]
+    return tree, local
+
+
 def ancestor_mask(parents: torch.Tensor, cu_seqlens: torch.Tensor, max_nodes: int) -> torch.Tensor:
     """Ancestor-or-self masks, padded: (B, N, N) bool with `M[b, i, j]` iff local node j lies on the
     root-to-i path of tree b (N = max_nodes; rows/cols past a tree's size are False).

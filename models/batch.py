@@ -6,9 +6,11 @@ in one transfer; lengths stay on the host so no step needs a device sync.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from kernels import ops
 
 
 @dataclass
@@ -31,6 +33,15 @@ class Packed:
     sizes: list[int]
     slots: list[int]
     lens: list[int]
+    _ancestors: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def ancestors(self) -> torch.Tensor:
+        """(T, W) int32 ancestor-or-self bits of every node (`kernels.tree_struct`), built on the device
+        at the first call and then shared by every layer of the forward (no host sync, so it is
+        captured with the rest of a CUDA graph)."""
+        if self._ancestors is None:
+            self._ancestors = ops.ancestor_bits(self.parents, self.cu_seqlens, self.max_nodes)
+        return self._ancestors
 
     @property
     def num_seqs(self) -> int:

@@ -12,8 +12,8 @@ scratch rows after the committed prefix); missing sequences, and padded decode r
 the pool's scratch slot.
 
 All verify graphs share one stash (per-node commit inputs). A stash handed out with pending
-handles aliases those buffers; before the next replay it is copied out if any of its handles is
-still uncommitted.
+handles aliases those buffers; before the next replay the rows its uncommitted handles use are
+copied out (nothing when every handle is committed or gone).
 """
 from __future__ import annotations
 
@@ -121,8 +121,9 @@ class GraphRunner:
         return self.lm.logits(g.hidden[: len(slots)])
 
     def verify(self, slots: list[int], lens: list[int], trees):
-        """-> (logits (T, V) of the real nodes, packed; stash; first stash row of each tree), or
-        None when this bucket has no graph (the caller runs eagerly)."""
+        """-> (final-norm hidden states (T, d_model) of the real nodes, packed; stash; first stash
+        row of each tree), or None when this bucket has no graph (the caller runs eagerly). The
+        hidden states may alias the graph's output buffer: use them before the next replay."""
         B = len(slots)
         Bb = _bucket(B, self.batch_buckets)
         Nb = _bucket(max(len(t.tokens) for t in trees), self.node_buckets)
@@ -141,10 +142,9 @@ class GraphRunner:
         else:
             rows = [b * Nb + i for b, t in enumerate(trees) for i in range(len(t.tokens))]
             real = g.hidden[torch.tensor(rows, dtype=torch.int64).to(self.lm.device)]
-        logits = self.lm.logits(real)
         view = _StashView(self.stash)
         self._handed_out = weakref.ref(view)
-        return logits, view, [b * Nb for b in range(B)]
+        return real, view, [b * Nb for b in range(B)]
 
     def capture_all(self) -> None:
         """Capture every bucket now (start-up), instead of on first use."""
@@ -223,7 +223,13 @@ class _StashView(VerifyStash):
         return any((p := r()) is not None and not p.consumed for r in self._pendings)
 
     def detach_copy(self) -> None:
-        super().detach_copy()
+        # only the rows a live handle can still commit from: a tree of a few nodes should not pay
+        # for copying a stash sized for the largest batch
+        live = [p for r in self._pendings if (p := r()) is not None and not p.consumed]
+        used = max((p.row0 + len(p.parents) for p in live), default=0)
+        for name, t in self.tensors().items():
+            setattr(self, name, t[:used].clone())
+        self.rows = used
         self.aliased = False
 
 

@@ -24,7 +24,7 @@ from models.errors import CheckpointError
 from models.layers.attention import Attention
 from models.layers.mamba import MambaMixer
 from models.layers.mlp import MLP, MoE
-from models.layers.norms import rms_norm
+from models.layers.norms import add_rms_norm, rms_norm
 from models.loading import (
     SafetensorsDir,
     StateDictSource,
@@ -200,20 +200,25 @@ class HybridLM(nn.Module):
         if cfg.embedding_multiplier != 1.0:
             h = h * cfg.embedding_multiplier
         h = h.to(self.residual_dtype)
-        for blk in self.blocks:
-            x = rms_norm(h.to(self.dtype), blk.norm.weight, self.config.norm_eps)
+        x = rms_norm(h, self.blocks[0].norm.weight, cfg.norm_eps, self.dtype)
+        # each residual add is fused with the norm after it: the next block's, or the final norm
+        after = [(b.norm.weight, cfg.norm_eps, self.dtype) for b in self.blocks[1:]]
+        after.append((self.norm_f.weight, cfg.final_norm_eps, None))
+        for blk, (weight, eps, norm_dtype) in zip(self.blocks, after):
             if not blk.stateful:
                 out = blk.mixer(x)
             elif mode == "verify":
                 out = blk.mixer.verify(x, batch, self.pool, stash)
             else:
                 out = getattr(blk.mixer, mode)(x, batch, self.pool)
-            h = h + (out * cfg.residual_multiplier if cfg.residual_multiplier != 1.0 else out)
-        return rms_norm(h, self.norm_f.weight, self.config.final_norm_eps)
+            h, x = add_rms_norm(h, out, weight, eps, cfg.residual_multiplier, norm_dtype)
+        return x
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(T, d_model) -> (T, V) fp32."""
-        logits = torch.nn.functional.linear(hidden.to(self.dtype), self.lm_head_weight).float()
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """(T, d_model) -> (T, V) fp32; `weight` (V', d_model): rows of the LM head to use instead
+        of all of them (a drafter's trimmed vocabulary) -> (T, V')."""
+        weight = self.lm_head_weight if weight is None else weight
+        logits = torch.nn.functional.linear(hidden.to(self.dtype), weight).float()
         return logits / self.config.logits_scaling if self.config.logits_scaling != 1.0 else logits
 
     # ---- modes ---------------------------------------------------------------------------------
@@ -285,13 +290,16 @@ class HybridLM(nn.Module):
         slots: Sequence[int],
         trees: Sequence[Any],
         reduce: Callable[[torch.Tensor], Any] | None = None,
+        head: Callable[[torch.Tensor], Any] | None = None,
     ) -> VerifyResult:
         """Logits at every node of every tree (`trees[b]` has `tokens` and `parents`, node 0 the
         root at position L). Committed state is untouched.
 
         `reduce`, when given, is applied to the packed fp32 logits (T, V) and its result returned
         as `output` instead of the logits (e.g. per-node argmax), so callers need not keep
-        full-vocabulary tensors.
+        full-vocabulary tensors. `head`, when given, replaces the LM head itself: it gets the
+        final-norm hidden states (T, d_model) and its result is `output` (a drafter computes
+        logits of a few rows over its trimmed vocabulary this way); `reduce` is then ignored.
         """
         slots = self._check(slots, len(trees), "verify")
         if not slots:
@@ -308,11 +316,11 @@ class HybridLM(nn.Module):
         if self.graphs is not None and self.graphs.can_verify(sizes):
             step = self.graphs.verify(slots, lens, trees)
         if step is not None:
-            logits, stash, rows0 = step
+            hidden, stash, rows0 = step
         else:
             batch = packing.pack_trees(slots, lens, trees, self.device)
             stash = VerifyStash(self.pool, batch.num_tokens, self.dtype)
-            logits = self.logits(self.hidden("verify", batch, stash))
+            hidden = self.hidden("verify", batch, stash)
             rows0 = batch.offsets()[:-1]
         offsets = [0]
         for n in sizes:
@@ -322,6 +330,9 @@ class HybridLM(nn.Module):
             for s, L, t, r0 in zip(slots, lens, trees, rows0)
         ]
         stash.attach(pending)
+        if head is not None:
+            return VerifyResult(None, offsets, pending, head(hidden))
+        logits = self.logits(hidden)
         if reduce is not None:
             return VerifyResult(None, offsets, pending, reduce(logits))
         return VerifyResult(logits, offsets, pending)

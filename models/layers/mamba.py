@@ -16,6 +16,8 @@ from models.config import MambaSpec
 from models.layers.norms import gated_rms_norm
 from models.state import StatePool
 
+MAX_DECODE_ROWS = 4096  # largest decode batch (sequences per step)
+
 
 class MambaMixer(nn.Module):
     def __init__(self, spec: MambaSpec, d_model: int, layer: int, dtype: torch.dtype, device=None):
@@ -33,6 +35,9 @@ class MambaMixer(nn.Module):
         self.norm_weight = nn.Parameter(torch.empty(spec.d_inner, **kw))
         self.out_proj = nn.Linear(spec.d_inner, d_model, bias=spec.proj_bias, **kw)
         self.register_buffer("A", torch.empty(spec.n_heads, **f32), persistent=False)
+        # the fused decode step's per-row arrival counters (left at zero by every launch)
+        rows = torch.zeros(MAX_DECODE_ROWS, dtype=torch.int32, device=device)
+        self.register_buffer("arrivals", rows, persistent=False)
 
     def prepare(self) -> None:
         """Derive constants once the weights are loaded."""
@@ -87,20 +92,16 @@ class MambaMixer(nn.Module):
         return self._finish(torch.cat(ys, 0), z)
 
     def decode(self, h: torch.Tensor, batch: Packed, pool: StatePool) -> torch.Tensor:
-        """h (B, d_model), one token per sequence -> (B, d_model); advances conv and SSM state."""
+        """h (B, d_model), one token per sequence -> (B, d_model); advances conv and SSM state.
+
+        Everything between the projections (conv, state updates, SSM, gated norm) is one fused step."""
         s = self.spec
-        z, xbc, dt = self._project(h)
-        conv = pool.conv_layer(self.layer)
-        conv_out = ops.tree_conv1d(
-            xbc, self.conv_weight, self.conv_bias, conv, batch.parents, batch.cu_seqlens, batch.slot_idx, 1
+        g = ops.mamba_decode_step(
+            self.in_proj(h), pool.conv_layer(self.layer), pool.ssm_layer(self.layer), batch.slot_idx,
+            self.conv_weight, self.conv_bias, self.A, self.D, self.dt_bias, s.dt_limit,
+            self.norm_weight, s.norm_group_size, s.norm_eps, arrivals=self.arrivals,
         )
-        ops.conv_state_commit(conv, batch.slot_idx, xbc[:, None], torch.diff(batch.cu_seqlens))  # all ones
-        x, B, C = self._split_conv(conv_out)
-        y = ops.ssm_chain_update(
-            pool.ssm_layer(self.layer), batch.slot_idx, x[:, None], dt[:, None], self.A, B[:, None], C[:, None],
-            self.D, self.dt_bias, s.dt_limit,
-        )
-        return self._finish(y[:, 0], z)
+        return self.out_proj(g)
 
     def verify(self, h: torch.Tensor, batch: Packed, pool: StatePool, stash) -> torch.Tensor:
         """h (T, d_model) packed tree nodes -> (T, d_model); state untouched, commit data stashed."""
@@ -114,6 +115,7 @@ class MambaMixer(nn.Module):
         y = ops.tree_ssd_scan(
             x, dt, self.A, B, C, self.D, self.dt_bias, pool.ssm_layer(self.layer),
             batch.parents, batch.cu_seqlens, batch.slot_idx, batch.max_nodes, s.dt_limit,
+            ancestors=batch.ancestors(),  # built once per forward, shared by every Mamba layer
         )
         stash.put_mamba(self.layer, xbc=xbc, x=x, B=B, dt=dt)
         return self._finish(y, z)

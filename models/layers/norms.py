@@ -1,23 +1,26 @@
-"""RMSNorm and the Mamba2 gated RMSNorm, computed in fp32 as transformers does."""
+"""RMSNorm, the block-boundary residual add + RMSNorm, and the Mamba2 gated RMSNorm, computed in fp32
+as transformers does. One kernel each on CUDA (`kernels.norms`), their PyTorch twins elsewhere."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from kernels import ops
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x (..., d) -> weight * normalised x; the normalised value is rounded to x's dtype first."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, norm_dtype: torch.dtype | None = None):
+    """x (T, d) -> weight * normalised x.to(norm_dtype) (default x's dtype); the normalised value is
+    rounded to that dtype first."""
+    return ops.rms_norm(x, weight, eps, norm_dtype)
+
+
+def add_rms_norm(h, out, weight, eps: float, multiplier: float = 1.0, norm_dtype=None):
+    """The residual stream at a block boundary: h (T, d), the block's output out (T, d) ->
+    (h + multiplier * out, rms_norm(that, weight, eps, norm_dtype))."""
+    return ops.add_rms_norm(h, out, weight, eps, multiplier, norm_dtype)
 
 
 def gated_rms_norm(
     y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """rmsnorm(y * silu(z)) over groups of `group_size` channels; y, z (T, d_inner) -> (T, d_inner)."""
-    g = y.float() * F.silu(z.float())
-    T, d = g.shape
-    g = g.view(T, d // group_size, group_size)
-    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * g.view(T, d).to(out_dtype)
+    return ops.gated_rms_norm(y, z, weight, group_size, eps, out_dtype)

@@ -19,6 +19,7 @@ from kernels.ssd_prefill import ssd_prefill, ssd_prefill_ref
 from kernels.ssd_tree import tree_ssd_scan, tree_ssd_scan_ref
 from kernels.ssm_commit import ssm_state_commit, ssm_state_commit_ref
 from kernels.ssm_decode import ssm_chain_update, ssm_chain_update_ref
+from kernels.tree_struct import ancestor_bits, ancestor_bits_ref
 from tests.kernels.ssm_oracle import (
     assert_close,
     assert_compiles_for_sm90,
@@ -83,6 +84,23 @@ def test_tree_scan(shape):
     for key in ("x", "dt", "B", "C", "z", "parents"):
         first[key] = a[key][:n]
     assert_close(out[:n], oracle_tree(first, lists[:k]), BF16_TOL, "triton vs oracle")
+    # as the model calls it: the ancestor bits built once on the device and passed in
+    bits = ancestor_bits(a["parents"], a["cu_seqlens"], a["max_nodes"])
+    assert torch.equal(bits, ancestor_bits_ref(a["parents"], a["cu_seqlens"], a["max_nodes"]))
+    assert torch.equal(tree_ssd_scan(**a, ancestors=bits), out)
+
+
+@gpu
+def test_ancestor_bits_batches():
+    import random
+
+    from tests.kernels import tree_cases
+
+    rng = random.Random(4)
+    for spec in ([(n, kind) for n in (1, 16, 33, 64, 128) for kind in tree_cases.KINDS],
+                 [(256, "chain"), (256, "random"), (200, "deep")] * 8):
+        parents, cu, mx, _ = tree_cases.packed_batch(spec, rng, device=DEV)
+        assert torch.equal(ancestor_bits(parents, cu, mx), ancestor_bits_ref(parents, cu, mx))
 
 
 @gpu
@@ -183,12 +201,13 @@ def test_dispatch_picks_triton_on_cuda(monkeypatch):
 
 def test_kernels_compile_for_h100():
     """Every SSM kernel at the GPU shapes' constexprs (headdim 64/128, d_state 128, node tiles 16..64
-    incl. multi-tile trees, K = 1 and 8, bf16) through the real sm_90 compiler, without spills.
+    incl. multi-tile trees up to 256 nodes, the ancestor-bits build, K = 1 and 8, bf16) through the
+    real sm_90 compiler, without spills.
     Launch arguments are recorded from interpreted runs with few heads (heads are not constexpr)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("records launches from interpreted runs (TRITON_INTERPRET=1); CUDA runs compile anyway")
     from kernels import ssd_prefill as prefill_mod
-    from kernels import ssd_tree, ssm_commit, ssm_decode
+    from kernels import ssd_tree, ssm_commit, ssm_decode, tree_struct
 
     def run():
         for P in (64, 128):
@@ -199,12 +218,17 @@ def test_kernels_compile_for_h100():
             ssd_prefill(**prefill_case(70, 1, P, 128, 1, seed=8, dtype=torch.bfloat16))
         args, _ = tree_case([(130, "deep"), (16, "bushy")], 1, 64, 128, 1, seed=8, dtype=torch.bfloat16)
         tree_ssd_scan(**args)
+        args, _ = tree_case([(256, "random"), (3, "chain")], 1, 64, 128, 1, seed=8, dtype=torch.bfloat16)
+        tree_ssd_scan(**args)  # four row tiles; eight mask words per row
+        args, _ = tree_case([(64, "random")], 1, 128, 128, 1, seed=8, dtype=torch.bfloat16)
+        tree_ssd_scan(**args, block_p=32)  # the 8B shape's small-batch launch: capped at 128 registers
         args, _ = tree_case([(20, "random")], 1, 64, 128, 1, seed=8)  # fp32 activations: tf32x3 dots
         tree_ssd_scan(**args)
         ssd_prefill(**prefill_case(70, 1, 64, 128, 1, seed=8))
         ssm_chain_update(**chain_case(1, 4, 1, 64, 128, 1, seed=8, dtype=torch.bfloat16))
 
-    kernels = [ssd_tree._tree_ssd_kernel, ssm_decode._chain_update_kernel, ssm_commit._commit_kernel,
+    kernels = [ssd_tree._tree_ssd_kernel, tree_struct._ancestor_bits_kernel, ssm_decode._chain_update_kernel,
+               ssm_commit._commit_kernel,
                prefill_mod._chunk_state_kernel, prefill_mod._state_passing_kernel, prefill_mod._chunk_scan_kernel]
 
     def known_spills(spec):

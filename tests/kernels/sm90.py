@@ -18,22 +18,38 @@ import sys
 import tempfile
 
 
+# launch keywords that are compile options rather than kernel arguments
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
+
+
 @contextlib.contextmanager
 def record_launches(kernel):
-    """Collect (args, kwargs) of every launch of the interpreted `kernel` inside the block."""
+    """Collect (args, kwargs) of every launch of the interpreted `kernel` inside the block. kwargs
+    also carry the launch options (`LAUNCH_OPTIONS`) where the launch gave them: the interpreter
+    drops them before its hooks run, so they are caught on the way in."""
     calls = []
+    options = {}
 
     def hook(*args, **kwargs):
-        calls.append((args, kwargs))
+        calls.append((args, {**kwargs, **options}))
+
+    run = kernel.run
+
+    def run_noting_options(*args, **kwargs):
+        options.clear()
+        options.update({k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs})
+        return run(*args, **kwargs)
 
     kernel.add_pre_run_hook(hook)
+    kernel.run = run_noting_options
     try:
         yield calls
     finally:
         kernel.pre_run_hooks.remove(hook)
+        del kernel.run  # the class's own method again
 
 
-def launch_spec(kernel, args, kwargs, num_warps: int = 4, num_stages: int = 3) -> dict:
+def launch_spec(kernel, args, kwargs, num_warps: int = 4, num_stages: int = 3, maxnreg: int | None = None) -> dict:
     """A JSON-able description of one recorded launch: kernel location, signature, constexprs and the
     alignment attributes, specialised exactly as the GPU launcher would (ints equal to 1 become
     constexprs, ints divisible by 16 and 16-byte aligned pointers get `tt.divisibility`)."""
@@ -61,7 +77,7 @@ def launch_spec(kernel, args, kwargs, num_warps: int = 4, num_stages: int = 3) -
             aligned.append(i)
     return {
         "module": fn.__module__, "name": fn.__name__, "signature": signature, "constexprs": constexprs,
-        "aligned": aligned, "num_warps": num_warps, "num_stages": num_stages,
+        "aligned": aligned, "num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg,
     }
 
 
@@ -97,7 +113,7 @@ def _compile_one(spec: dict) -> dict:
     src = ASTSource(fn=kernel, signature=spec["signature"], constexprs=spec["constexprs"], attrs=attrs)
     try:
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": spec["num_warps"], "num_stages": spec["num_stages"]})
+                                  options={k: spec.get(k) for k in LAUNCH_OPTIONS if spec.get(k) is not None})
     except Exception as e:  # report, don't crash: the caller asserts
         return {"ok": False, "error": f"{type(e).__name__}: {e}"[-3000:]}
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:

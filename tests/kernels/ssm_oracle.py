@@ -126,7 +126,8 @@ def assert_compiles_for_sm90(kernels, run, spills_ok=lambda spec: False) -> list
     for kernel, calls in recorded:
         assert calls, f"{kernel.fn.__name__} was not launched"
         for args, kwargs in calls:
-            specs.append(launch_spec(kernel, args, kwargs, num_warps=kwargs.get("num_warps", 4)))
+            specs.append(launch_spec(kernel, args, kwargs, num_warps=kwargs.get("num_warps", 4),
+                                     num_stages=kwargs.get("num_stages", 3), maxnreg=kwargs.get("maxnreg")))
     results = compile_sm90(specs)
     for spec, res in zip(specs, results):
         assert res["ok"], f"{spec['name']} {spec['constexprs']}: {res['error']}"

@@ -76,3 +76,44 @@ def test_chain_tree_equals_chain_update():
     y_chain = ssm_chain_update(pool, args["slot_idx"], args["x"][None], args["dt"][None], args["A"], args["B"][None],
                                args["C"][None], args["D"], args["dt_bias"], args["dt_limit"], z=args["z"][None])
     assert_close(y_tree, y_chain[0], 1e-5, "chain tree vs chain update")
+
+
+def test_deep_segments_below_a_huge_path_keep_their_precision():
+    """dt A of -5e3 to -1e4 per node for the first ten levels, then small steps: decays between deep
+    nodes are differences of path sums near -5e4 .. -1e5, whose fp32 rounding (ulp 4e-3 .. 8e-3)
+    would put errors of that size on every deep node's output."""
+    args, lists = tree_case([(24, "chain"), (20, "deep")], 3, 16, 16, 1, seed=17, a_max=60.0)
+    depth = torch.cat([torch.tensor([len(tree_cases.path_to(p, i)) - 1 for i in range(len(p))]) for p in lists])
+    high = depth < 10
+    args["dt"] = torch.where(high[:, None], torch.full_like(args["dt"], 160.0), args["dt"] * 0.3 - 4.0)
+    args["dt_bias"] = torch.zeros_like(args["dt_bias"])
+    args["A"] = torch.tensor([-30.0, -60.0, -2.0])  # the last head: a mild path, for contrast
+    check(args, lists, 1e-4)
+
+
+def test_trees_up_to_256_nodes():
+    """Four row tiles (path sums gathered over several column blocks), next to a deep 130-node tree."""
+    check(*tree_case([(256, "random"), (130, "deep"), (1, "single")], H=1, P=16, N=16, G=1, seed=18), 1e-4)
+
+
+def test_structure_built_once_gives_the_same_result():
+    """Passing the per-forward ancestor bits (as the model does) changes nothing, with max_nodes above the
+    largest tree (CUDA-graph buckets) too."""
+    from kernels.tree_struct import ancestor_bits, ancestor_bits_ref
+
+    for spec, max_nodes in (([(9, "random"), (1, "single"), (14, "bushy")], None), ([(5, "deep"), (3, "star")], 64),
+                            ([(70, "random"), (2, "chain")], 128)):
+        args, lists = tree_case(spec, 2, 16, 16, 1, seed=19)
+        if max_nodes:
+            args["max_nodes"] = max_nodes
+        bits = ancestor_bits(args["parents"], args["cu_seqlens"], args["max_nodes"])
+        assert torch.equal(bits, ancestor_bits_ref(args["parents"], args["cu_seqlens"], args["max_nodes"]))
+        check({**args, "ancestors": bits}, lists, 1e-4)
+        assert torch.equal(tree_ssd_scan(**args, ancestors=bits), tree_ssd_scan(**args))
+        assert torch.equal(tree_ssd_scan_ref(**args, ancestors=bits), tree_ssd_scan_ref(**args))
+
+
+def test_mis_shaped_structure_is_refused():
+    args, _ = tree_case([(20, "random")], 1, 16, 16, 1, seed=20)
+    with pytest.raises(ValueError, match="ancestors"):
+        tree_ssd_scan(**args, ancestors=torch.zeros(20, 4, dtype=torch.int32))

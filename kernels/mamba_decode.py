@@ -1,0 +1,276 @@
+"""One fused Mamba2 decode step: everything between the input and output projections, one launch.
+
+For each sequence b (one new token) with its in_proj output `zxbcdt[b] = z | xBC | dt`:
+
+    xBC'  = SiLU(conv1d([conv_state[slot] | xBC]) + bias)     depthwise, width W <= 4, newest tap last
+    conv_state[slot] <- last W-1 raw inputs of [conv_state[slot] | xBC]
+    x, B, C = split(xBC');  dt' = clamp(softplus(dt + dt_bias), dt_limit)
+    h = exp(dt' A) h + dt' x (x) B;    y = C . h + D x                     (ssm_state[slot], fp32)
+    out = norm_weight * rmsnorm(y * silu(z)) over groups of `norm_group_size` channels
+
+so a Mamba2 decode layer is: norm -> in_proj -> `mamba_decode_step` -> out_proj. The values are
+rounded where the unfused composition (tree_conv1d, conv_state_commit, ssm_chain_update,
+gated_rms_norm) rounds them: the conv output and y to the activation dtype, the normalised value to
+the output dtype.
+
+The Triton kernel runs one program per (sequence, head, headdim tile), like `ssm_chain_update`. Two
+things need the whole row, and are done by the row's last program to finish ("last arriver",
+counted with an atomic per row in `arrivals`, which every launch leaves at zero):
+- the conv windows of the B and C channels, which every head of a group reads, can only move on
+  once all of them have read the old window;
+- the gated RMSNorm reduces over a whole norm group (all of d_inner for Mamba2 and Bamba), so each
+  program stores its gated values (fp32) and their partial sum of squares, and the last program
+  normalises the row.
+No program ever waits for another, so the kernel cannot deadlock however its programs are scheduled.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.conv_tree import conv_state_commit_ref, tree_conv1d_ref
+from kernels.norms import gated_rms_norm_ref
+from kernels.ssm_common import as_int32, heads_per_group, limits, pow2, silu, softplus_clamped
+from kernels.ssm_decode import ssm_chain_update_ref
+
+# elements of SSM state per program (headdim tile x d_state): small tiles keep many programs in
+# flight, which is what saturates memory for this read-modify-write of the state
+STATE_TILE = 1024
+# channels, and partial sums, per step of the last program's row epilogue (2048 channels would
+# take ~120 registers for the whole kernel instead of ~50, and cost the state update occupancy)
+EPILOGUE_BLOCK = 1024
+PARTS_BLOCK = 1024
+
+
+def layout(zxbcdt: torch.Tensor, ssm_state: torch.Tensor, conv_weight: torch.Tensor):
+    """(H, P, G, N, W) of a step, read off the tensor shapes; checks that they agree."""
+    _, H, P, N = ssm_state.shape
+    conv_dim, W = conv_weight.shape
+    d_inner = H * P
+    gn2 = conv_dim - d_inner
+    if gn2 <= 0 or gn2 % (2 * N):
+        raise ValueError(f"conv_dim {conv_dim} is not d_inner {d_inner} + 2 * groups * d_state {N}")
+    G = gn2 // (2 * N)
+    if zxbcdt.shape[-1] != d_inner + conv_dim + H:
+        raise ValueError(f"zxbcdt has {zxbcdt.shape[-1]} columns, expected z | xBC | dt = {d_inner + conv_dim + H}")
+    heads_per_group(H, G)
+    return H, P, G, N, W
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch reference twin: the unfused composition
+# --------------------------------------------------------------------------------------------
+
+
+def mamba_decode_step_ref(
+    zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, D, dt_bias, dt_limit,
+    norm_weight, norm_group_size: int, norm_eps: float, arrivals=None,
+):
+    """PyTorch twin of `mamba_decode_step`, composed from the unfused references.
+
+    zxbcdt (B, 2 d_inner + 2 G N + H) in_proj output (z | xBC | dt) in the activation dtype;
+    conv_state (S, conv_dim, W-1) (model dtype) and ssm_state (S, H, P, N) (fp32), both advanced in
+    place at `slot_idx (B,)`; conv_weight (conv_dim, W), conv_bias (conv_dim,) or None; A, D, dt_bias (H,)
+    fp32 (D may be None); norm_weight (d_inner,). `arrivals` is the Triton kernel's workspace
+    (unused here). -> (B, d_inner) in the promoted dtype of norm_weight and zxbcdt.
+    """
+    H, P, G, N, W = layout(zxbcdt, ssm_state, conv_weight)
+    nb = zxbcdt.shape[0]
+    d_inner = H * P
+    z, xbc, dt = zxbcdt.split([d_inner, d_inner + 2 * G * N, H], dim=-1)
+    one = torch.ones(nb, dtype=torch.int32, device=zxbcdt.device)
+    cu = torch.arange(nb + 1, dtype=torch.int32, device=zxbcdt.device)
+    conv_out = tree_conv1d_ref(xbc, conv_weight, conv_bias, conv_state, -one, cu, slot_idx, 1)
+    conv_state_commit_ref(conv_state, slot_idx, xbc[:, None], one)
+    x, Bm, Cm = conv_out.split([d_inner, G * N, G * N], dim=-1)
+    y = ssm_chain_update_ref(
+        ssm_state, slot_idx, x.reshape(nb, 1, H, P), dt[:, None], A, Bm.reshape(nb, 1, G, N),
+        Cm.reshape(nb, 1, G, N), D, dt_bias, dt_limit,
+    )
+    return gated_rms_norm_ref(y.reshape(nb, d_inner), z, norm_weight, norm_group_size, norm_eps, z.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernel
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _conv_tap_sum(xbc_row, st, w_ptr, ch, ok, s_cd, s_cw, s_w, W: tl.constexpr):
+    """Depthwise conv of channels `ch` over [window | new input], in tree_conv1d's order (the new
+    input first, then the window from newest to oldest). -> (fp32 sum, raw new input)."""
+    new = tl.load(xbc_row + ch, mask=ok, other=0.0)
+    acc = new.to(tl.float32) * tl.load(w_ptr + ch * s_w + (W - 1), mask=ok, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, W):
+        col = W - 1 - s
+        old = tl.load(st + ch * s_cd + col * s_cw, mask=ok, other=0.0).to(tl.float32)
+        acc += old * tl.load(w_ptr + ch * s_w + col, mask=ok, other=0.0).to(tl.float32)
+    return acc, new
+
+
+@triton.jit
+def _conv_silu(xbc_row, st, w_ptr, b_ptr, ch, ok, s_cd, s_cw, s_w, W: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """SiLU(conv + bias) of channels `ch`, rounded to the activation dtype (as tree_conv1d's output
+    is) and returned in fp32, with the raw new input."""
+    acc, new = _conv_tap_sum(xbc_row, st, w_ptr, ch, ok, s_cd, s_cw, s_w, W)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + ch, mask=ok, other=0.0).to(tl.float32)
+    return silu(acc).to(xbc_row.dtype.element_ty).to(tl.float32), new
+
+
+@triton.jit
+def _shift_window(st, ch, ok, new, s_cd, s_cw, W: tl.constexpr):
+    """Move the conv window of channels `ch` one token on: columns 1..W-2 move down, `new` enters
+    last. Every old column is read before any is overwritten (another thread may hold it)."""
+    base = st + ch * s_cd
+    if W > 2:
+        c1 = tl.load(base + s_cw, mask=ok)
+    if W > 3:
+        c2 = tl.load(base + 2 * s_cw, mask=ok)
+    tl.debug_barrier()
+    if W > 2:
+        tl.store(base, c1, mask=ok)
+    if W > 3:
+        tl.store(base + s_cw, c2, mask=ok)
+    if W > 1:
+        tl.store(base + (W - 2) * s_cw, new.to(st.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _mamba_step_kernel(
+    zx_ptr, conv_ptr, cw_ptr, cb_ptr, ssm_ptr, slot_ptr, A_ptr, D_ptr, dtb_ptr, nw_ptr,
+    gate_ptr, part_ptr, arrive_ptr, out_ptr,
+    H, heads_per_group, GN, group_size, n_norm_groups, dt_lo, dt_hi, eps,
+    s_zx, s_cs, s_cd, s_cw, s_w, ss_s, ss_h, ss_p, ss_n, s_out,
+    P: tl.constexpr, N: tl.constexpr, W: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    HAS_CONV_BIAS: tl.constexpr, HAS_D: tl.constexpr, EPI: tl.constexpr, PARTS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    pt = tl.program_id(2)
+    N_PT: tl.constexpr = (P + BP - 1) // BP
+    n_prog = H * N_PT  # programs per row
+    DI = H * P
+    g = h // heads_per_group
+    b64 = b.to(tl.int64)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    row = zx_ptr + b64 * s_zx  # z | xBC | dt of this sequence
+    xbc_row = row + DI
+    st = conv_ptr + slot * s_cs
+
+    # ---- conv: this program's x channels (owned: read, then moved on) and its group's B, C (read only)
+    offs_p = pt * BP + tl.arange(0, BP)
+    p_ok = offs_p < P
+    cx = h * P + offs_p
+    offs_n = tl.arange(0, BN)
+    n_ok = offs_n < N
+    x, x_new = _conv_silu(xbc_row, st, cw_ptr, cb_ptr, cx, p_ok, s_cd, s_cw, s_w, W, HAS_CONV_BIAS)
+    Bv, _ = _conv_silu(xbc_row, st, cw_ptr, cb_ptr, DI + g * N + offs_n, n_ok, s_cd, s_cw, s_w, W, HAS_CONV_BIAS)
+    Cv, _ = _conv_silu(xbc_row, st, cw_ptr, cb_ptr, DI + GN + g * N + offs_n, n_ok, s_cd, s_cw, s_w, W,
+                       HAS_CONV_BIAS)
+    _shift_window(st, cx, p_ok, x_new, s_cd, s_cw, W)
+
+    # ---- SSM state update, as ssm_chain_update with K = 1
+    dt = tl.load(xbc_row + DI + 2 * GN + h).to(tl.float32)
+    dt = softplus_clamped(dt + tl.load(dtb_ptr + h).to(tl.float32), dt_lo, dt_hi)
+    A = tl.load(A_ptr + h).to(tl.float32)
+    st_ptrs = ssm_ptr + slot * ss_s + h * ss_h + offs_p[:, None] * ss_p + offs_n[None, :] * ss_n
+    st_mask = p_ok[:, None] & n_ok[None, :]
+    state = tl.load(st_ptrs, mask=st_mask, other=0.0)
+    state = state * tl.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
+    tl.store(st_ptrs, state, mask=st_mask)
+    y = tl.sum(state * Cv[None, :], axis=1)
+    if HAS_D:
+        y += tl.load(D_ptr + h).to(tl.float32) * x
+    y = y.to(zx_ptr.dtype.element_ty).to(tl.float32)  # ssm_chain_update's output dtype
+
+    # ---- gate; the norm needs the whole group: hand over the gated values and their sum of squares
+    z = tl.load(row + cx, mask=p_ok, other=0.0).to(tl.float32)
+    gated = tl.where(p_ok, y * silu(z), 0.0)
+    tl.store(gate_ptr + b64 * DI + cx, gated, mask=p_ok)
+    tl.store(part_ptr + b64 * n_prog + h * N_PT + pt, tl.sum(gated * gated, axis=0))
+    # all of this program's reads and writes are done (barrier) before its arrival is published
+    # (release); the last arriver's acquire makes every program's writes visible to it
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrive_ptr + b, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_prog - 1:
+        # B and C conv windows move on: every program of this row has read them
+        for c0 in range(0, 2 * GN, EPI):
+            c = c0 + tl.arange(0, EPI)
+            ok = c < 2 * GN
+            new = tl.load(xbc_row + DI + c, mask=ok, other=0.0)
+            _shift_window(st, DI + c, ok, new, s_cd, s_cw, W)
+        # gated RMSNorm, group by group; programs never straddle groups (group_size % P == 0)
+        per_group = group_size // P * N_PT
+        for j in range(n_norm_groups):
+            ss = tl.zeros((PARTS,), dtype=tl.float32)
+            for q0 in range(0, per_group, PARTS):
+                q = q0 + tl.arange(0, PARTS)
+                ss += tl.load(part_ptr + b64 * n_prog + j * per_group + q, mask=q < per_group, other=0.0,
+                              cache_modifier=".cg")
+            rstd = tl.rsqrt(tl.sum(ss, axis=0) / group_size + eps)
+            for c0 in range(0, group_size, EPI):
+                c = c0 + tl.arange(0, EPI)
+                ok = c < group_size
+                ch = j * group_size + c
+                gv = tl.load(gate_ptr + b64 * DI + ch, mask=ok, other=0.0, cache_modifier=".cg")
+                v = (gv * rstd).to(zx_ptr.dtype.element_ty).to(tl.float32)
+                w = tl.load(nw_ptr + ch, mask=ok, other=0.0).to(tl.float32)
+                tl.store(out_ptr + b64 * s_out + ch, (w * v).to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(arrive_ptr + b, 0)  # ready for the next launch
+
+
+def new_arrivals(rows: int, device) -> torch.Tensor:
+    """Zeroed arrival counters for batches of up to `rows` sequences (one per row; every launch leaves
+    them at zero, so one buffer serves every step and layer that runs on its stream)."""
+    return torch.zeros(rows, dtype=torch.int32, device=device)
+
+
+def mamba_decode_step(
+    zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, D, dt_bias, dt_limit,
+    norm_weight, norm_group_size: int, norm_eps: float, arrivals=None,
+):
+    """Triton `mamba_decode_step`: same contract as `mamba_decode_step_ref`; `arrivals` int32 (>= B,)
+    zeros (see `new_arrivals`; allocated here when None, which a CUDA graph capture must not rely on).
+
+    Slots in `slot_idx` must be distinct except for a scratch slot whose results do not matter
+    (padded rows of captured graphs). Needs norm groups of whole heads (`norm_group_size % P == 0`).
+    """
+    H, P, G, N, W = layout(zxbcdt, ssm_state, conv_weight)
+    nb = zxbcdt.shape[0]
+    d_inner = H * P
+    if not 1 <= W <= 4:
+        raise ValueError(f"conv width {W} is not in 1..4")
+    if d_inner % norm_group_size or norm_group_size % P:
+        raise ValueError(f"norm groups of {norm_group_size} channels must be whole heads of {P} within {d_inner}")
+    if W > 1 and conv_state.stride(2) != 1:
+        raise ValueError("conv_state must be contiguous along its last axis")
+    out = torch.empty(nb, d_inner, dtype=torch.promote_types(norm_weight.dtype, zxbcdt.dtype), device=zxbcdt.device)
+    if nb == 0:
+        return out
+    if arrivals is None:
+        arrivals = new_arrivals(nb, zxbcdt.device)
+    if arrivals.dtype != torch.int32 or arrivals.numel() < nb or not arrivals.is_contiguous():
+        raise ValueError(f"arrivals must be {nb} or more contiguous int32 zeros")
+    zxbcdt = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
+    conv_weight = conv_weight.contiguous()
+    bn = pow2(N, 1)
+    bp = max(1, min(pow2(P, 1), STATE_TILE // bn))
+    n_prog = H * triton.cdiv(P, bp)
+    per_group = norm_group_size // P * triton.cdiv(P, bp)
+    gate = torch.empty(nb, d_inner, dtype=torch.float32, device=zxbcdt.device)
+    parts = torch.empty(nb, n_prog, dtype=torch.float32, device=zxbcdt.device)
+    lo, hi = limits(dt_limit)
+    _mamba_step_kernel[(nb, H, triton.cdiv(P, bp))](
+        zxbcdt, conv_state, conv_weight, conv_bias if conv_bias is not None else conv_weight, ssm_state,
+        as_int32(slot_idx), A, D if D is not None else A, dt_bias if dt_bias is not None else torch.zeros_like(A),
+        norm_weight.contiguous(), gate, parts, arrivals, out,
+        H, heads_per_group(H, G), G * N, norm_group_size, d_inner // norm_group_size, lo, hi, float(norm_eps),
+        zxbcdt.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2) if W > 1 else 1,
+        conv_weight.stride(0), *ssm_state.stride(), out.stride(0),
+        P=P, N=N, W=W, BP=bp, BN=bn, HAS_CONV_BIAS=conv_bias is not None, HAS_D=D is not None,
+        EPI=EPILOGUE_BLOCK, PARTS=min(PARTS_BLOCK, pow2(per_group, 1)),
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,174 @@
+"""RMSNorms of the hybrid runtime, one launch each: the block boundary (residual add + RMSNorm) and the
+Mamba2 gated RMSNorm. Numerics follow transformers: statistics in fp32, the normalised value rounded
+to the input's dtype before the weight multiplies it.
+
+    add_rms_norm:   h' = h + m * out;   x = weight * rms_norm(h'.to(norm_dtype))
+    gated_rms_norm: g = y * silu(z);    out = weight * (g / rms(g) over groups).to(out_dtype)
+
+Every rounding step of the PyTorch twins (`m * out` in out's dtype, `h'` in the promoted dtype of
+h and out, the normalised value in `norm_dtype`, the product with the weight in the promoted dtype)
+is reproduced by the kernels, so they differ from the twins only by fp32 summation order.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.ssm_common import silu
+
+# one program normalises a whole row (or group) from registers; wider rows than this are refused
+MAX_WIDTH = 32768
+# constexpr code of the dtype a value is rounded to (dtypes themselves are not plain constexprs)
+ROUND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch reference twins
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, norm_dtype: torch.dtype | None = None):
+    """x (..., d) -> weight * normalised x.to(norm_dtype) (default x's dtype); the normalised value is
+    rounded to `norm_dtype` first; result in the promoted dtype of weight and `norm_dtype`."""
+    x = x if norm_dtype is None else x.to(norm_dtype)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm_ref(h, out, weight, eps: float, multiplier: float = 1.0, norm_dtype=None):
+    """Block boundary of the residual stream: h (T, d), out (T, d) or None ->
+    (h' = h + multiplier * out, rms_norm_ref(h', weight, eps, norm_dtype)). With `out` None, h' is h."""
+    if out is not None:
+        h = h + (out * multiplier if multiplier != 1.0 else out)
+    return h, rms_norm_ref(h, weight, eps, norm_dtype)
+
+
+def gated_rms_norm_ref(y, z, weight, group_size: int, eps: float, out_dtype: torch.dtype):
+    """rmsnorm(y * silu(z)) over groups of `group_size` channels; y, z (T, d) -> (T, d) in the promoted
+    dtype of weight and `out_dtype` (the normalised value is rounded to `out_dtype` first)."""
+    g = y.float() * F.silu(z.float())
+    T, d = g.shape
+    g = g.view(T, d // group_size, group_size)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * g.view(T, d).to(out_dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def round_to(v, KIND: tl.constexpr):
+    """fp32 `v` rounded to the dtype coded `KIND` (see ROUND) and back to fp32."""
+    if KIND == 1:
+        v = v.to(tl.float16).to(tl.float32)
+    elif KIND == 2:
+        v = v.to(tl.bfloat16).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    h_ptr, out_ptr, w_ptr, hn_ptr, x_ptr,
+    d, mult, eps,
+    s_h, s_o, s_hn, s_x,
+    HAS_OUT: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program per row: the residual add and the norm of the sum, without a round trip through memory."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    ok = c < d
+    h = tl.load(h_ptr + row * s_h + c, mask=ok, other=0.0)
+    if HAS_OUT:
+        o = tl.load(out_ptr + row * s_o + c, mask=ok, other=0.0)
+        scaled = (o.to(tl.float32) * mult).to(o.dtype)  # `out * m` is a tensor of out's dtype first
+        h = (h.to(tl.float32) + scaled.to(tl.float32)).to(hn_ptr.dtype.element_ty)
+        tl.store(hn_ptr + row * s_hn + c, h, mask=ok)
+    v = round_to(h.to(tl.float32), NORM)
+    rstd = tl.rsqrt(tl.sum(v * v, axis=0) / d + eps)
+    v = round_to(v * rstd, NORM)
+    w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
+    tl.store(x_ptr + row * s_x + c, (w * v).to(x_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    y_ptr, z_ptr, w_ptr, o_ptr,
+    group_size, eps,
+    s_y, s_z, s_o,
+    NORM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program per (row, norm group)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
+    ok = tl.arange(0, BLOCK) < group_size
+    y = tl.load(y_ptr + row * s_y + c, mask=ok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + row * s_z + c, mask=ok, other=0.0).to(tl.float32)
+    g = y * silu(z)
+    rstd = tl.rsqrt(tl.sum(g * g, axis=0) / group_size + eps)
+    v = round_to(g * rstd, NORM)
+    w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
+    tl.store(o_ptr + row * s_o + c, (w * v).to(o_ptr.dtype.element_ty), mask=ok)
+
+
+def _block(width: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for one row of `width` elements held in registers (about 16 per thread)."""
+    if width > MAX_WIDTH:
+        raise ValueError(f"norm width {width} exceeds {MAX_WIDTH}")
+    block = triton.next_power_of_2(max(width, 16))
+    return block, max(1, min(16, block // 512))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D view whose last axis is contiguous (rows may be strided)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def add_rms_norm(h, out, weight, eps: float, multiplier: float = 1.0, norm_dtype=None):
+    """Triton twin of `add_rms_norm_ref`: h, out (T, d) -> (h' (T, d), x (T, d)); one program per row."""
+    T, d = h.shape
+    norm_dtype = norm_dtype or (h.dtype if out is None else torch.promote_types(h.dtype, out.dtype))
+    h = _rows(h)
+    hn = h if out is None else torch.empty(T, d, dtype=torch.promote_types(h.dtype, out.dtype), device=h.device)
+    if out is not None:
+        out = _rows(out)
+    x = torch.empty(T, d, dtype=torch.promote_types(weight.dtype, norm_dtype), device=h.device)
+    if T == 0:
+        return hn, x
+    block, warps = _block(d)
+    o = out if out is not None else h
+    _add_rms_norm_kernel[(T,)](
+        h, o, weight.contiguous(), hn, x,
+        d, float(multiplier), float(eps),
+        h.stride(0), o.stride(0), hn.stride(0), x.stride(0),
+        HAS_OUT=out is not None, NORM=ROUND[norm_dtype], BLOCK=block, num_warps=warps,
+    )
+    return hn, x
+
+
+def rms_norm(x, weight, eps: float, norm_dtype=None):
+    """Triton twin of `rms_norm_ref` for x (T, d)."""
+    return add_rms_norm(x, None, weight, eps, norm_dtype=norm_dtype)[1]
+
+
+def gated_rms_norm(y, z, weight, group_size: int, eps: float, out_dtype: torch.dtype):
+    """Triton twin of `gated_rms_norm_ref`: y, z (T, d) (rows may be strided) -> (T, d)."""
+    T, d = y.shape
+    if d % group_size:
+        raise ValueError(f"{d} channels do not split into groups of {group_size}")
+    y, z = _rows(y), _rows(z)
+    o = torch.empty(T, d, dtype=torch.promote_types(weight.dtype, out_dtype), device=y.device)
+    if T == 0:
+        return o
+    block, warps = _block(group_size)
+    _gated_rms_norm_kernel[(T, d // group_size)](
+        y, z, weight.contiguous(), o,
+        group_size, float(eps),
+        y.stride(0), z.stride(0), o.stride(0),
+        NORM=ROUND[out_dtype], BLOCK=block, num_warps=warps,
+    )
+    return o

@@ -3,6 +3,12 @@
     python -m bench.drafter --model DRAFT_DIR --device cuda --out drafter.json
     python -m bench.drafter --model DRAFT_DIR --target TARGET_DIR --device cuda --out drafter.json
     python -m bench.drafter --random mamba2-130m --device cuda --out drafter.json   # no checkpoint
+    python -m bench.drafter --model DRAFT_DIR --device cpu --out drafter-cpu.json  # fp32 on the CPU
+
+The draft model runs through CUDA graphs on CUDA (as `treeserve drafter` does by default);
+`--no-cuda-graphs` measures it eagerly. `--trim-vocab FILE` drafts over a trimmed vocabulary
+(`treeserve trim-vocab`); `--random` with `--trim-size K` keeps the K lowest ids instead (random
+weights have no token frequencies), which measures the cost of the head alone.
 
 Part 1 (always): for each shape (chain, static, dynamic, ngram) and budget, a sequence is drafted
 step after step through `drafter_service.engine.Drafter` (draft-ahead off), each step accepting the
@@ -40,18 +46,24 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def random_draft_model(shape: str, device: str, dtype, max_slots: int, max_len: int, graphs: bool):
+def random_draft_model(shape: str, device: str, dtype, max_slots: int, max_len: int, graphs: bool,
+                       trim_size: int = 0):
     from transformers import Mamba2Config
 
     from drafter_service.draftlm import DraftModel
+    from drafter_service.vocab import TrimmedVocab
     from models import HybridLM
 
     if shape != "mamba2-130m":
         raise SystemExit(f"unknown --random shape {shape}")
     cfg = Mamba2Config(hidden_size=768, num_hidden_layers=24, num_heads=24, head_dim=64, state_size=128, n_groups=1,
                        expand=2, conv_kernel=4, vocab_size=50288, tie_word_embeddings=True, chunk_size=256)
-    lm = HybridLM.from_config(cfg, device=device, dtype=dtype, max_slots=max_slots, max_len=max_len, cuda_graphs=graphs)
-    return DraftModel(lm, name="random-mamba2-130m")
+    lm = HybridLM.from_config(cfg, device=device, dtype=dtype, max_slots=max_slots, max_len=max_len, cuda_graphs=False)
+    trim = TrimmedVocab(tuple(range(trim_size)), cfg.vocab_size) if trim_size else None
+    model = DraftModel(lm, name="random-mamba2-130m", trim=trim)
+    if graphs:
+        model.use_graphs()
+    return model
 
 
 def prompts_for(model, n: int, length: int, seed: int) -> list[list[int]]:
@@ -173,7 +185,10 @@ def main() -> None:
     p.add_argument("--target", help="target checkpoint directory: run the greedy speculative loop too")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
-    p.add_argument("--cuda-graphs", action="store_true", help="capture CUDA graphs for the draft model")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA graphs for the draft model (default: on with a CUDA device)")
+    p.add_argument("--trim-vocab", default=None, metavar="FILE", help="trimmed draft vocabulary file (--model)")
+    p.add_argument("--trim-size", type=int, default=0, help="with --random: keep this many token ids (0: all)")
     p.add_argument("--shapes", default="chain,static,dynamic,ngram")
     p.add_argument("--budgets", default="4,8,16,32,64")
     p.add_argument("--depth", type=int, default=8, help="depth limit of dynamic trees")
@@ -196,18 +211,20 @@ def main() -> None:
     names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     dtype = names[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     budgets = [int(b) for b in args.budgets.split(",")]
-    # slots: one per sequence plus one per prepared outcome (graph stashes scale with the slot count)
+    # slots: one per sequence plus one per prepared outcome
     slots = 2 + args.ahead_trees
     max_len = args.prompt_len + max(args.steps, (args.trees + args.warmup) * 2) + max(budgets) + 64
+    graphs = args.cuda_graphs if args.cuda_graphs is not None else device.type == "cuda"
     if args.model:
         model = DraftModel.load(args.model, device=str(device), dtype=dtype, max_slots=slots, max_len=max_len,
-                                cuda_graphs=args.cuda_graphs)
+                                cuda_graphs=graphs, trim=args.trim_vocab)
     else:
-        model = random_draft_model(args.random, str(device), dtype, slots, max_len, args.cuda_graphs)
+        model = random_draft_model(args.random, str(device), dtype, slots, max_len, graphs, args.trim_size)
     prompts = prompts_for(model, max(1, args.prompts), args.prompt_len, seed=0)
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "draft_model": model.name, "dtype": str(dtype), "cuda_graphs": args.cuda_graphs,
+        "draft_model": model.name, "dtype": str(dtype), "cuda_graphs": model.lm.graphs is not None,
+        "draft_vocab": model.head.describe(), "torch_threads": torch.get_num_threads(),
         "prompt_len": len(prompts[0]),
         "draft_time": draft_times(model, args.shapes.split(","), budgets, args.depth, args.trees, args.warmup, prompts[0]),
     }

@@ -55,6 +55,10 @@ SEED = 1234
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, metavar="DIR", help="target checkpoint (default: the embedded demo target)")
     p.add_argument("--drafter", default=None, metavar="DIR", help="draft checkpoint (default: the embedded demo drafter)")
+    p.add_argument("--drafter-trim-vocab", default=None, metavar="FILE",
+                   help="trimmed draft vocabulary for the drafter (`treeserve trim-vocab`)")
+    p.add_argument("--drafter-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA graphs for the draft model (default: on with a CUDA device, as `treeserve drafter`)")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cuda, cuda:N or cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                    help="model dtype on every path (default fp32: exact greedy comparisons; the demo pair is "
@@ -331,14 +335,24 @@ def start_children(args, target: pathlib.Path, drafter: pathlib.Path, device: st
         drafter_child = Child(["drafter", "--model", drafter, "--device", device, "--dtype", args.dtype, "--port", 0,
                                "--max-sequences", 4, "--max-len", max_len, "--max-nodes", TREE_CAP,
                                "--node-budget", args.grpc_budget, "--max-depth", args.max_depth,
-                               "--ahead-trees", 4, "--ahead-fanout", 4], "drafter", log("drafter"))
+                               "--ahead-trees", 4, "--ahead-fanout", 4, *drafter_model_flags(args)],
+                              "drafter", log("drafter"))
     except BaseException:
         verifier.stop()
         raise
     return verifier, drafter_child
 
 
-def load_inproc(target, drafter, device: str, dtype, max_len: int, depth: int) -> InprocPath:
+def drafter_model_flags(args) -> list:
+    """`treeserve drafter` flags for the draft model's vocabulary and graphs."""
+    out = ["--trim-vocab", args.drafter_trim_vocab] if args.drafter_trim_vocab else []
+    if args.drafter_cuda_graphs is not None:
+        out.append("--cuda-graphs" if args.drafter_cuda_graphs else "--no-cuda-graphs")
+    return out
+
+
+def load_inproc(target, drafter, device: str, dtype, max_len: int, depth: int, trim=None,
+                cuda_graphs=None) -> InprocPath:
     from drafter_service.draftlm import DraftModel
     from drafter_service.engine import Drafter, Options
     from models import HybridLM
@@ -349,7 +363,8 @@ def load_inproc(target, drafter, device: str, dtype, max_len: int, depth: int) -
     if lm.graphs is not None:
         lm.graphs.capture_all()
     verifier = Engine(lm, Limits(max_sequences=2, max_tree_nodes=TREE_CAP, max_sequence_length=max_len).validate())
-    model = DraftModel.load(str(drafter), device=device, dtype=dtype, max_slots=2, max_len=max_len)
+    model = DraftModel.load(str(drafter), device=device, dtype=dtype, max_slots=2, max_len=max_len, trim=trim,
+                            cuda_graphs=cuda_graphs)
     d = Drafter(model, Options("dynamic", 16, depth, False), max_sequences=2, max_nodes=TREE_CAP, ahead=None)
     return InprocPath(verifier, d, TREE_CAP, max_len)
 
@@ -378,6 +393,9 @@ def run(args: argparse.Namespace) -> int:
     max_len = max(len(ids) for _, ids in prompts) + args.max_new_tokens + TREE_CAP + 64
     run_.result["config"] = {
         "target": str(target), "drafter": str(drafter), "device": device,
+        "drafter_trim_vocab": args.drafter_trim_vocab,
+        "drafter_cuda_graphs": (device.startswith("cuda") if args.drafter_cuda_graphs is None
+                                else args.drafter_cuda_graphs),
         "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
         "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "temperatures": args.temperatures,
         "budgets": args.budgets, "max_depth": args.max_depth, "chain_length": args.chain_length,
@@ -421,7 +439,8 @@ def _load(run_: Run, args, target, drafter, device: str, dtype, max_len: int) ->
             run_.children = list(start_children(args, target, drafter, device, max_len))
         except Exception as exc:  # noqa: BLE001
             run_.load_errors["grpc"] = f"services did not start: {type(exc).__name__}: {exc}"
-    loaders = {"inproc": lambda: load_inproc(target, drafter, device, dtype, max_len, args.max_depth),
+    loaders = {"inproc": lambda: load_inproc(target, drafter, device, dtype, max_len, args.max_depth,
+                                             args.drafter_trim_vocab, args.drafter_cuda_graphs),
                "hf": lambda: HFPath(target, device, dtype)}
     for name, load in loaders.items():
         if name in args.paths:

@@ -10,7 +10,9 @@ Layout (one job per module):
 | `fused` | the dynamic tree merged with the n-gram tree |
 | `children` | which children a node gets: greedy top-k, or Gumbel-top-k draws with the exact q reported |
 | `nodes` | candidate-node bookkeeping for model-grown trees |
-| `draftlm` | the draft model (`models.HybridLM`) driven one slot, one tree at a time |
+| `vocab` | trimmed draft vocabulary: token counts over text, the kept-ids file, `treeserve trim-vocab` |
+| `head` | the LM head over the draftable tokens (all, below a limit, or trimmed) and its column map |
+| `draftlm` | the draft model (`models.HybridLM`) driven one slot, one tree at a time; CUDA graphs |
 | `state` | per-sequence draft state kept in step with the committed length |
 | `ahead` | draft-ahead: predicted outcomes, trees prepared in the background |
 | `engine` | sequences and requests, without the wire |

@@ -62,22 +62,33 @@ class Prediction:
         return tuple(tree.tokens_along(self.path))
 
 
-def predict(tree: TokenTree, probs: torch.Tensor, config: AheadConfig) -> list[Prediction]:
-    """The likeliest outcomes of verifying `tree`, best first. probs (N, V): the draft distribution
-    at each node (the one children were ranked or drawn by)."""
+def predict(tree: TokenTree, probs: torch.Tensor, config: AheadConfig, columns=None) -> list[Prediction]:
+    """The likeliest outcomes of verifying `tree`, best first. probs (N, K): the draft distribution
+    at each node (the one children were ranked or drawn by) over the columns of the draft head
+    `columns` (`head.DraftHead`; None: column c is token c). Tokens outside the columns have
+    probability 0 (a tree may hold them: fused trees take n-gram nodes)."""
     if config.trees <= 0:
         return []
-    n, vocab = probs.shape
-    parents = torch.tensor(tree.parents[1:], dtype=torch.long, device=probs.device)
-    tokens = torch.tensor(tree.tokens[1:], dtype=torch.long, device=probs.device)
-    edge = probs[parents, tokens].double().tolist() if n > 1 else []
+    n, width = probs.shape
+    kids = [set(tree.tokens[c] for c in tree.children(i)) for i in range(n)]
+    k = min(width, config.fanout + max(len(s) for s in kids))
+    top_p, top_c = torch.topk(probs.float(), k, dim=-1)
+    top_t = top_c if columns is None else columns.to_tokens(top_c)
+    parents = torch.tensor(tree.parents[1:], dtype=torch.long).to(probs.device, non_blocking=True)
+    tokens = torch.tensor(tree.tokens[1:], dtype=torch.long).to(probs.device, non_blocking=True)
+    if columns is None:
+        cols = torch.where(tokens < width, tokens, torch.full_like(tokens, -1))
+    else:
+        cols = columns.columns_of(tokens)
+    edge = torch.where(cols >= 0, probs[parents, cols.clamp(min=0)], torch.zeros_like(cols, dtype=probs.dtype))
+    # one transfer: edge probabilities, then the top-k probabilities and tokens
+    host = torch.cat([edge.double(), top_p.double().flatten(), top_t.double().flatten()]).cpu().numpy()
+    edge = host[: n - 1].tolist()
+    top_p = host[n - 1 : n - 1 + n * k].reshape(n, k).tolist()
+    top_t = host[n - 1 + n * k :].reshape(n, k).astype("int64").tolist()
     reach = [1.0] * n
     for i in range(1, n):
         reach[i] = reach[tree.parents[i]] * edge[i - 1]
-    kids = [set(tree.tokens[c] for c in tree.children(i)) for i in range(n)]
-    k = min(vocab, config.fanout + max(len(s) for s in kids))
-    top_p, top_t = torch.topk(probs.float(), k, dim=-1)
-    top_p, top_t = top_p.double().tolist(), top_t.tolist()
     stop = [reach[i] * max(0.0, 1.0 - sum(p for p, t in zip(top_p[i], top_t[i]) if t in kids[i])) for i in range(n)]
     guesses: list[Prediction] = []
     for rank, i in enumerate(sorted(range(n), key=lambda j: (-stop[j], j))):
@@ -153,7 +164,7 @@ class Round:
         try:
             if unit == "finalise":
                 probs = self.base.node_probs(self.tree)
-                preds = predict(self.tree, probs, self.config)
+                preds = predict(self.tree, probs, self.config, self.base.picker.columns)
                 with self.cv:
                     self.finalised = True
                     self._plan(preds)
@@ -183,12 +194,12 @@ class Round:
             return None
         state.abandoned = lambda: self._abandoned(job)
         try:
-            state.logits(self.tree)  # the same forward the base slot finalised with
+            state.prepare(self.tree)  # the same forward the base slot finalised with
             t0 = time.perf_counter()
             state.advance(job.appended)
             draft = draft_tree(self.proposer, state, job.prediction.bonus, self.budget, self.depth)
             build_ms = (time.perf_counter() - t0) * 1e3
-            preds = predict(draft.tree, state.node_probs(draft.tree), self.config)
+            preds = predict(draft.tree, state.node_probs(draft.tree), self.config, state.picker.columns)
         except Abandoned:
             state.release()
             return None

@@ -34,10 +34,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="most tokens in a reported draft distribution (sampling); larger supports are truncated")
     p.add_argument("--vocab-limit", type=int, default=0,
                    help="only draft tokens below this id (the target's vocabulary size when the draft's is padded)")
+    p.add_argument("--trim-vocab", default=None, metavar="FILE",
+                   help="draft only the tokens listed in this file (built by `treeserve trim-vocab`; a directory "
+                        "means its vocab_subset.json): the LM head shrinks to those rows")
     p.add_argument("--max-sequences", type=int, default=64)
     p.add_argument("--max-len", type=int, default=8192, help="longest sequence the draft model keeps state for")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="CUDA graphs for the draft model (their verify buffers grow with the slot count)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA graphs for the draft model's steps (default: on with a CUDA device, captured at "
+                        "start-up; --no-cuda-graphs runs it eagerly)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     p.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' on every call")
 
@@ -61,10 +65,17 @@ def build(args: argparse.Namespace):
         ahead_slots = 0 if args.no_draft_ahead else args.ahead_slots
         if ahead_slots is None:
             ahead_slots = args.max_sequences * args.ahead_trees
-        model = DraftModel.load(args.model, device=args.device, dtype=dtype,
-                                max_slots=args.max_sequences + ahead_slots, max_len=args.max_len,
-                                vocab_limit=args.vocab_limit or None, cuda_graphs=args.cuda_graphs,
-                                fork_slots=ahead_slots)
+        from drafter_service.vocab import VocabFileError
+
+        try:
+            model = DraftModel.load(args.model, device=args.device, dtype=dtype,
+                                    max_slots=args.max_sequences + ahead_slots, max_len=args.max_len,
+                                    vocab_limit=args.vocab_limit or None, cuda_graphs=args.cuda_graphs,
+                                    fork_slots=ahead_slots, trim=args.trim_vocab)
+        except VocabFileError as exc:
+            raise SystemExit(f"--trim-vocab: {exc}") from None
+        except ValueError as exc:  # e.g. --cuda-graphs on a CPU device
+            raise SystemExit(f"drafter: {exc}") from None
     shape = args.shape or ("dynamic" if model is not None else "ngram")
     defaults = Options(shape, args.node_budget, args.max_depth, not args.no_draft_ahead)
     ahead = None if args.no_draft_ahead else AheadConfig(args.ahead_trees, args.ahead_fanout)
@@ -82,6 +93,10 @@ def run(args: argparse.Namespace) -> int:
     server.add(pbg.add_DrafterServicer_to_server, DrafterServicer(drafter), "Drafter").start()
     start_metrics(args.metrics_port)
     log.info("drafter: %s, defaults %s", drafter.strategy, drafter.defaults)
+    if drafter.model is not None:
+        graphs = drafter.model.lm.graphs
+        log.info("draft head: %s; CUDA graphs %s", drafter.model.head.describe(),
+                 "on" if graphs is not None and graphs.capture else "off")
     print(f"drafter listening on {args.host}:{server.port}", flush=True)
     try:
         server.wait()

@@ -7,9 +7,14 @@ slot is bit-identical to the one fresh drafting produces on the sequence's own s
 
 Calls into the runtime are serialised by one lock (the runtime's slot pool and pending
 verifications are not meant for concurrent callers).
+
+On CUDA the steps replay CUDA graphs by default (`use_graphs`): a draft level of a small drafter is
+otherwise all kernel-launch overhead. The graphs' shared commit stash is only copied when a live
+verification of another slot (draft-ahead) still needs it, and then only that tree's rows.
 """
 from __future__ import annotations
 
+import os
 import pathlib
 import threading
 import time
@@ -19,6 +24,8 @@ from typing import Any, Sequence
 
 import torch
 
+from drafter_service.head import DraftHead
+from drafter_service.vocab import TrimmedVocab
 from treeserve.errors import InvalidArgument, ResourceExhausted
 from treeserve.tree import TokenTree
 
@@ -55,17 +62,20 @@ class Gate:
 
 
 class DraftModel:
-    """A draft checkpoint loaded through the model runtime, with the drafter's vocabulary limit."""
+    """A draft checkpoint loaded through the model runtime, with the head over the tokens it may
+    draft (`head.DraftHead`: the whole vocabulary, the ids below a limit, or a trimmed set)."""
 
-    def __init__(self, lm, name: str = "draft", vocab_limit: int | None = None, fork_slots: int | None = None):
+    def __init__(self, lm, name: str = "draft", vocab_limit: int | None = None, fork_slots: int | None = None,
+                 trim: TrimmedVocab | None = None, trim_source: str = "trimmed vocabulary"):
         """fork_slots: most slots that forks (draft-ahead) may hold at once, so that forks never
-        take the slots that sequences are entitled to (None: no limit)."""
+        take the slots that sequences are entitled to (None: no limit). vocab_limit: only ids
+        below it are drafted or accepted. trim: draft only these ids (see `drafter_service.vocab`)."""
         self.lm = lm
         self.fork_slots = fork_slots
         self._forks: set[int] = set()
         self.name = name
-        full = int(lm.config.vocab_size)
-        self.vocab_size = min(full, vocab_limit) if vocab_limit else full
+        self.head = DraftHead(lm, trim, vocab_limit, trim_source)
+        self.vocab_size = self.head.vocab_size
         self.max_len: int | None = getattr(lm.pool, "max_len", None)
         self._lock = threading.RLock()
         self.gate = Gate()
@@ -73,18 +83,55 @@ class DraftModel:
 
     @classmethod
     def load(cls, path: str, device: str = "cpu", dtype: torch.dtype | None = None, max_slots: int = 64,
-             max_len: int = 8192, vocab_limit: int | None = None, cuda_graphs: bool = False,
-             fork_slots: int | None = None) -> "DraftModel":
-        """CUDA graphs are off by default: the runtime's graph stash grows with `max_slots` (one
-        slot per sequence and per prepared outcome here), while the drafter verifies one tree at a
-        time."""
+             max_len: int = 8192, vocab_limit: int | None = None, cuda_graphs: bool | None = None,
+             fork_slots: int | None = None, trim: str | os.PathLike | None = None) -> "DraftModel":
+        """cuda_graphs: None = on when the device is CUDA and the model allows it (no MoE blocks);
+        the graphs are sized for the drafter (one tree at a time) and captured here, before any
+        request. trim: a trimmed-vocabulary file (or a directory holding `vocab_subset.json`)."""
         from models import HybridLM
 
         if dtype is None:
             dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        kept = TrimmedVocab.load(trim) if trim is not None else None
         lm = HybridLM.from_pretrained(path, device=device, dtype=dtype, max_slots=max_slots, max_len=max_len,
-                                      cuda_graphs=cuda_graphs)
-        return cls(lm, name=pathlib.Path(path).resolve().name, vocab_limit=vocab_limit, fork_slots=fork_slots)
+                                      cuda_graphs=False)
+        model = cls(lm, name=pathlib.Path(path).resolve().name, vocab_limit=vocab_limit, fork_slots=fork_slots,
+                    trim=kept, trim_source=str(trim))
+        if cuda_graphs is None:
+            cuda_graphs = lm.device.type == "cuda" and "moe" not in lm.config.kinds
+        if cuda_graphs:
+            model.use_graphs()
+        return model
+
+    def use_graphs(self, capture: bool = True) -> None:
+        """Run the draft model's verify and decode steps through bucketed static buffers: CUDA graph
+        replays (`capture=True`, CUDA only) or the same programs run eagerly (`capture=False`,
+        which is how CPU tests exercise this path).
+
+        The drafter runs one tree at a time, so the runner's shared stash is sized for one tree of
+        the largest node bucket, not for a batch of every slot; with capture, every single-tree
+        bucket is captured now, so no capture ever runs while other threads use the device."""
+        from models.graphs import NODE_BUCKETS, GraphRunner
+
+        if capture and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the draft model is on {self.device}")
+        with self._call():
+            runner = GraphRunner(self.lm, capture=capture, max_rows=max(NODE_BUCKETS))
+            self.lm.graphs = runner
+            if capture:
+                self._warm_up(runner)
+        self.forward_ms = 0.0  # start-up work is not drafting time
+
+    def _warm_up(self, runner) -> None:
+        slot = self.lm.pool.alloc()
+        try:
+            for n in runner.node_buckets:
+                if n > self.lm.pool.max_len:
+                    break
+                self.lm.verify([slot], [TokenTree(tuple([0] * n), tuple(range(-1, n - 1)))], head=lambda h: None)
+            self.lm.decode([slot], [0])
+        finally:
+            self.lm.pool.free(slot)
 
     @property
     def device(self) -> torch.device:
@@ -138,13 +185,13 @@ class DraftModel:
             self.lm.pool.free(slot)
 
     # ---- forward passes ----------------------------------------------------------------------
-    def verify(self, slot: int, tree: TokenTree) -> tuple[torch.Tensor, Verified]:
-        """Logits (N, V) at every node of `tree` placed after the slot's committed tokens; the slot's
-        committed state is untouched."""
+    def verify(self, slot: int, tree: TokenTree, rows: Sequence[int] | None = None) -> tuple[torch.Tensor | None, Verified]:
+        """One forward over `tree` placed after the slot's committed tokens (committed state
+        untouched): fp32 logits (len(rows), K) over the head's columns at nodes `rows` (None: every
+        node; empty: none are computed, None is returned, the forward only prepares commits)."""
         with self._call():
-            res = self.lm.verify([slot], [tree])
-            logits = res.logits[res.offsets[0]:res.offsets[1], : self.vocab_size]
-            return logits, Verified(tree, res.pending[0])
+            res = self.lm.verify([slot], [tree], head=lambda hidden: self.head.logits(hidden, rows))
+            return res.output, Verified(tree, res.pending[0])
 
     def advance(self, slot: int, verified: Verified | None, tokens: Sequence[int]) -> None:
         """Consume `tokens`: the longest prefix that is a root path of the last verified tree is

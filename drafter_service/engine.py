@@ -91,7 +91,7 @@ class _Sequence:
         rnd, self.round = self.round, None
         hit, _, needs_finalise = rnd.claim(key)
         if hit is None and needs_finalise and finalise:
-            self.state.logits(rnd.tree)
+            self.state.prepare(rnd.tree)
         return hit
 
     def close(self) -> None:

@@ -73,7 +73,11 @@ class DraftState:
     @classmethod
     def open(cls, sequence_id: str, tokens: Sequence[int], sampling: Sampling, picker: ChildPicker | None,
              model: DraftModel | None) -> "DraftState":
+        """With a model, the picker is bound to the model's head, so children come out as token ids
+        whatever columns the head has (a trimmed vocabulary)."""
         slot = model.open(tokens) if model is not None else None
+        if picker is not None and model is not None:
+            picker = picker.bind(model.head)
         return cls(sequence_id, sampling, TokenHistory(tokens), picker, model, slot)
 
     @property
@@ -88,22 +92,33 @@ class DraftState:
         return self.model.max_len - self.length
 
     # ---- drafting ---------------------------------------------------------------------------
-    def logits(self, tree: TokenTree) -> torch.Tensor:
-        """One forward pass of the draft model over `tree` (root at the committed length): (N, V)."""
+    def logits(self, tree: TokenTree, rows: Sequence[int] | None = None) -> torch.Tensor | None:
+        """One forward pass of the draft model over `tree` (root at the committed length): logits
+        (len(rows), K) over the head's columns at nodes `rows` (None: all N nodes; empty: none).
+        Leaves the slot ready to commit any path of `tree` without a forward pass."""
         self._still_wanted()
-        logits, self.verified = self.model.verify(self.slot, tree)
+        # the previous verification can no longer be committed from once this one exists: let go of
+        # it first, so a shared graph stash need not copy its rows out before the replay
+        self.verified = None
+        logits, self.verified = self.model.verify(self.slot, tree, rows)
         return logits
+
+    def prepare(self, tree: TokenTree) -> None:
+        """The forward over `tree` for its commits only (no logits are computed)."""
+        self.logits(tree, ())
 
     def expand(self, tree: TokenTree, nodes: Sequence[int], salts: Sequence[int], k: int) -> list[Children]:
         """Candidate children (at most k each) of `nodes` of `tree`, from one forward pass over the
-        whole tree. `salts`: a stable id per node (keys the sampling noise)."""
-        logits = self.logits(tree)
-        rows = logits[torch.as_tensor(list(nodes), dtype=torch.long, device=logits.device)]
-        return self.picker.pick(rows, k, self.length, salts)
+        whole tree (logits only at `nodes`). `salts`: a stable id per node (keys the sampling noise)."""
+        nodes = list(nodes)
+        if not nodes:
+            self.prepare(tree)
+            return []
+        return self.picker.pick(self.logits(tree, nodes), k, self.length, salts)
 
     def node_probs(self, tree: TokenTree) -> torch.Tensor:
-        """(N, V) ranking probabilities at every node of `tree` (draft-ahead's outcome prediction);
-        leaves the slot ready to commit any path of `tree` without a forward pass."""
+        """(N, K) ranking probabilities over the head's columns at every node of `tree`
+        (draft-ahead's outcome prediction); leaves the slot ready to commit any path of `tree`."""
         return self.picker.ranking_probs(self.logits(tree))
 
     # ---- keeping in step ----------------------------------------------------------------------

@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--no-drafter", action="store_true", help="no drafter: plain decoding only")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
     p.add_argument("--drafter-device", default="cpu", help="device of the draft model (default cpu)")
+    p.add_argument("--drafter-trim-vocab", default=None, metavar="FILE",
+                   help="trimmed draft vocabulary for the draft model (see `treeserve trim-vocab`)")
     p.add_argument("--host", default="127.0.0.1", help="interface of the Generation service")
     p.add_argument("--port", type=int, default=50051, help="port of the Generation service (0: pick a free one)")
     p.add_argument("--verifier-replicas", type=int, default=1, help="verifier processes (one per GPU when several)")
@@ -53,6 +55,7 @@ class Plan:
     replicas: int
     extra_verifier_args: list = field(default_factory=list)
     drafter_device: str = "cpu"
+    drafter_trim_vocab: Optional[pathlib.Path] = None
 
 
 def plan_from(args: argparse.Namespace) -> Plan:
@@ -69,11 +72,17 @@ def plan_from(args: argparse.Namespace) -> Plan:
                     "pass --model DIR (and --drafter-model DIR or --ngram)") if DEMO_DIR in path.parents else (
                     "expected a Hugging Face checkpoint directory with config.json")
             raise SetupError(f"{what} not found at {path}: {hint}")
+    trim = getattr(args, "drafter_trim_vocab", None)
+    if trim is not None:
+        if drafter is None:
+            raise SetupError("--drafter-trim-vocab needs a draft model (--drafter-model DIR, or the demo pair)")
+        if not pathlib.Path(trim).is_file():
+            raise SetupError(f"trimmed draft vocabulary not found: {trim}")
     if args.verifier_replicas < 1:
         raise SetupError("--verifier-replicas must be >= 1")
     extra = ["--max-sequences", str(args.max_sequences)] if args.max_sequences else []
     return Plan(target, drafter, ngram, resolve_device(args.device), args.verifier_replicas, extra,
-                getattr(args, "drafter_device", "cpu"))
+                getattr(args, "drafter_device", "cpu"), pathlib.Path(trim) if trim else None)
 
 
 def resolve_device(device: str) -> str:
@@ -115,6 +124,8 @@ def start_services(plan: Plan, log_dir: Optional[str] = None) -> tuple[list[Chil
         if plan.drafter is not None or plan.ngram:
             port = free_port()
             source = ["--ngram"] if plan.drafter is None else ["--model", plan.drafter, "--device", plan.drafter_device]
+            if plan.drafter_trim_vocab is not None:
+                source += ["--trim-vocab", plan.drafter_trim_vocab]
             children.append(Child(["drafter", *source, "--port", port], "drafter", log_path("drafter")))
             drafter = f"127.0.0.1:{port}"
         return children, verifiers, drafter

@@ -14,6 +14,7 @@ COMMANDS = {
     "demo": ("orchestrator.cli_demo", "start everything on the embedded default model and generate a few completions"),
     "verifier": ("verifier_service.cli", "run the verifier service (owns the target model)"),
     "drafter": ("drafter_service.cli", "run the drafter service (draft model or n-gram)"),
+    "trim-vocab": ("drafter_service.vocab", "count token frequencies and write a trimmed draft vocabulary file"),
     "orchestrator": ("orchestrator.cli_orchestrator", "run the public Generation service against remote drafter/verifier"),
     "bench": ("bench.cli", "run benchmarks (kernels, runtime, verifier, drafter, e2e)"),
 }

@@ -1,0 +1,99 @@
+"""The drafter on CUDA: captured CUDA graphs (the default there) draft the trees eager mode drafts,
+with and without draft-ahead; a trimmed head works on the device; speculative output is the
+target's own. fp32 throughout (TF32 off), so eager and graph replays compute the same numbers up
+to kernel rounding; tree comparisons use the trained demo drafter, whose distributions are peaked
+enough that rounding does not reorder candidates. Skipped without CUDA."""
+import pathlib
+import random
+
+import pytest
+import torch
+
+from drafter_service.ahead import AheadConfig
+from drafter_service.draftlm import DraftModel
+from drafter_service.engine import Drafter, Options
+from drafter_service.vocab import TrimmedVocab
+from models.graphs import NODE_BUCKETS
+from tests.drafter.compare import assert_same_replies
+from tests.drafter.test_ahead import drive
+from tests.drafter.test_trimmed import GREEDY, HOT, VOCAB, greedy_reference, kept_ids, save, speculate
+
+DEMO = pathlib.Path(__file__).resolve().parents[2] / "models" / "demo" / "drafter"
+CODE = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\n"
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_tf32():
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def load(path, **kw) -> DraftModel:
+    return DraftModel.load(str(path), device="cuda", dtype=torch.float32, max_slots=48, max_len=1024, **kw)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return load(DEMO, cuda_graphs=False), load(DEMO)
+
+
+@pytest.fixture(scope="module")
+def demo_prompt(pair):
+    return pair[0].lm.tokenizer(CODE * 3)["input_ids"]
+
+
+def test_graphs_are_on_by_default_and_captured_at_load(pair):
+    eager, graphed = pair
+    runner = graphed.lm.graphs
+    assert eager.lm.graphs is None and runner is not None and runner.capture
+    assert not runner.failures, runner.failures
+    assert sorted(runner._verify) == [(1, n) for n in NODE_BUCKETS] and 1 in runner._decode
+    assert runner.stash.rows == max(NODE_BUCKETS)
+
+
+CASES = [("dynamic", GREEDY, True), ("dynamic", HOT, True), ("static", GREEDY, False), ("chain", HOT, False)]
+
+
+@pytest.mark.parametrize("shape,sampling,ahead", CASES,
+                         ids=[f"{s}-{'greedy' if p.greedy else 'sampling'}{'-ahead' if a else ''}" for s, p, a in CASES])
+def test_graph_replays_draft_the_trees_eager_mode_drafts(pair, demo_prompt, shape, sampling, ahead):
+    eager, graphed = pair
+    config = AheadConfig(trees=3, fanout=2) if ahead else None
+    want, calls, probs_e, _ = drive(eager, demo_prompt, sampling, shape, config)
+    got, _, probs_g, _ = drive(graphed, demo_prompt, sampling, shape, config, calls=calls)
+    assert_same_replies(got, want, prob_tol=1e-5)
+    assert (probs_g - probs_e).abs().max() < 1e-4
+    assert not graphed.lm.graphs.failures
+
+
+def test_trimmed_head_on_cuda_matches_the_full_head(pair, demo_prompt, tmp_path):
+    """Every id kept, in another order: the same trees as the full head."""
+    eager, _ = pair
+    order = list(range(1, 4096))
+    random.Random(3).shuffle(order)
+    path = TrimmedVocab(tuple([0] + order), 4096, (0,)).save(tmp_path / "all.json")
+    permuted = load(DEMO, trim=path)
+    assert permuted.head.ids.is_cuda and permuted.lm.graphs is not None
+    want, calls, _, _ = drive(eager, demo_prompt, GREEDY, "dynamic", AheadConfig(trees=3, fanout=2))
+    got, _, _, _ = drive(permuted, demo_prompt, GREEDY, "dynamic", AheadConfig(trees=3, fanout=2), calls=calls)
+    assert_same_replies(got, want, prob_tol=1e-5)
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["fresh", "ahead"])
+def test_trimmed_graphed_self_drafting_gives_the_targets_greedy_output(tiny_pair, prompt, ahead):
+    from models import HybridLM
+
+    target = HybridLM.from_pretrained(tiny_pair[0], device="cuda", dtype=torch.float32, max_slots=2, max_len=512)
+    ids = kept_ids(VOCAB // 2, seed=6)
+    model = load(tiny_pair[0], trim=save(tiny_pair, ids))
+    d = Drafter(model, Options("dynamic", 10, 4, ahead), ahead=AheadConfig(trees=2, fanout=2) if ahead else None)
+    try:
+        out, forwards = speculate(target, d, prompt, 40)
+    finally:
+        d.close()
+    assert out == greedy_reference(target, prompt, 40)
+    assert forwards < 32 and not model.lm.graphs.failures

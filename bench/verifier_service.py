@@ -22,6 +22,13 @@ the device has finished). overhead = wall - forward_ms is everything gRPC, the q
 the batching window add (in `clients` mode with several sequences it also holds the time a call
 waits behind forwards it did not ride in). Target: median overhead <= 10% of the step at one
 sequence. Medians after warm-up.
+
+Where the overhead goes: the server reports each Verify call's time by stage in its metrics
+(`treeserve_verifier_call_ms{stage}`: decode, queue, forward, engine, handback, encode, total; see
+verifier_service/metrics.py). The bench reads them before and after each row and prints their
+means per call, with grpc = mean call wall time - mean server handler time (both ends of gRPC,
+including the client's own encoding and decoding), and the share of calls that ran the model on
+their own RPC thread (inline).
 """
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 
 TREE_NODES = 16
 PROMPT = 128
@@ -106,8 +114,10 @@ class Server:
             sys.executable, "-m", "treeserve.cli", "verifier", "--model", str(model), "--device", device,
             "--dtype", dtype, "--port", "0", "--max-sequences", str(max_sequences), "--max-tree-nodes",
             str(TREE_NODES), "--max-sequence-length", str(max_len), "--max-batch", str(max_sequences),
-            "--idle-timeout-s", "0", *extra,
+            "--idle-timeout-s", "0", "--metrics-port", str(_free_port()), *extra,
         ]
+        port = cmd[len(cmd) - 1 - cmd[::-1].index("--metrics-port") + 1]  # the last one given wins
+        self.metrics_url = f"http://127.0.0.1:{port}/metrics"
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True)
@@ -128,6 +138,54 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self._log.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---- the server's own time split ----------------------------------------------------------------
+STAGES = ("decode", "queue", "forward", "engine", "handback", "encode")
+
+
+def call_totals(metrics_url: str) -> dict[str, float]:
+    """Running totals from the verifier's metrics: '<stage>_sum' / '<stage>_count' (ms, calls) for
+    every stage of `treeserve_verifier_call_ms`, and 'inline' (calls that ran the model inline).
+    Empty when the server serves no metrics (e.g. '--metrics-port 0' in --server-args)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = urllib.request.urlopen(metrics_url, timeout=30).read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "treeserve_verifier_call_ms":
+            for smp in fam.samples:
+                if smp.name.endswith(("_sum", "_count")):
+                    out[f"{smp.labels['stage']}_{smp.name.rsplit('_', 1)[1]}"] = smp.value
+        elif fam.name == "treeserve_verifier_inline_calls":
+            out["inline"] = sum(smp.value for smp in fam.samples if smp.name.endswith("_total"))
+    return out
+
+
+def call_split(before: dict[str, float], after: dict[str, float], wall_mean_ms: float) -> dict[str, float]:
+    """Mean ms per call by stage between two `call_totals` readings, plus grpc (what the client saw
+    beyond the server's handler) and the inline share of calls."""
+    calls = after.get("total_count", 0.0) - before.get("total_count", 0.0)
+    if calls <= 0:
+        return {}
+
+    def mean(stage: str) -> float:
+        return (after.get(f"{stage}_sum", 0.0) - before.get(f"{stage}_sum", 0.0)) / calls
+
+    split = {"grpc": wall_mean_ms - mean("total"), **{st: mean(st) for st in STAGES}, "server": mean("total")}
+    split["inline_share"] = (after.get("inline", 0.0) - before.get("inline", 0.0)) / calls
+    return split
 
 
 # ---- load generation --------------------------------------------------------------------------
@@ -189,13 +247,14 @@ def prefill_all(client, n: int, vocab: int, tag: str, seed: int) -> list[Sequenc
     return seqs
 
 
-def run_clients(address: str, seqs: list[Sequence], warmup: int, steps: int) -> dict:
+def run_clients(address: str, seqs: list[Sequence], warmup: int, steps: int, metrics_url: str) -> dict:
     """One thread and one channel per sequence; every thread times its own calls."""
     from treeserve.v1 import treeserve_pb2 as pb
     from verifier_service.client import VerifierClient
 
     n = len(seqs)
-    gate = threading.Barrier(n)
+    totals: list[dict[str, float]] = []  # server totals as each phase starts (the last: measuring)
+    gate = threading.Barrier(n, action=lambda: totals.append(call_totals(metrics_url)))
     samples: list[list[tuple[float, float, int]]] = [[] for _ in range(n)]
     spans: list[tuple[float, float]] = [(0.0, 0.0)] * n
     errors: list[BaseException] = []
@@ -228,17 +287,20 @@ def run_clients(address: str, seqs: list[Sequence], warmup: int, steps: int) -> 
     if errors:
         raise errors[0]
     elapsed = max(s[1] for s in spans) - min(s[0] for s in spans)
-    return summarise([x for s in samples for x in s], n * steps * TREE_NODES / elapsed)
+    flat = [x for s in samples for x in s]
+    return summarise(flat, n * steps * TREE_NODES / elapsed, totals[-1], call_totals(metrics_url))
 
 
-def run_batched(client, seqs: list[Sequence], warmup: int, steps: int) -> dict:
+def run_batched(client, seqs: list[Sequence], warmup: int, steps: int, metrics_url: str) -> dict:
     """One call per step with every sequence in it."""
     from treeserve.v1 import treeserve_pb2 as pb
 
     samples = []
     t_start = 0.0
+    before: dict[str, float] = {}
     for i in range(warmup + steps):
         if i == warmup:
+            before = call_totals(metrics_url)
             t_start = time.perf_counter()
         req = pb.VerifyRequest(items=[s.item() for s in seqs])
         t = time.perf_counter()
@@ -249,10 +311,13 @@ def run_batched(client, seqs: list[Sequence], warmup: int, steps: int) -> dict:
         if i >= warmup:
             samples.append((wall, resp.forward_ms, resp.batch_sequences))
     elapsed = time.perf_counter() - t_start
-    return summarise(samples, len(seqs) * steps * TREE_NODES / elapsed)
+    return summarise(samples, len(seqs) * steps * TREE_NODES / elapsed, before, call_totals(metrics_url))
 
 
-def summarise(samples: list[tuple[float, float, int]], nodes_per_s: float) -> dict:
+def summarise(samples: list[tuple[float, float, int]], nodes_per_s: float, before: dict[str, float],
+              after: dict[str, float]) -> dict:
+    """Medians of the calls (wall, the server's forward_ms, sequences per forward), and the
+    server's stage split (means) between the `before` and `after` metric readings."""
     wall = [s[0] for s in samples]
     fwd = [s[1] for s in samples]
     over = [s[0] - s[1] for s in samples]
@@ -260,6 +325,7 @@ def summarise(samples: list[tuple[float, float, int]], nodes_per_s: float) -> di
     return {
         "nodes_per_s": nodes_per_s,
         "step_ms_median": step,
+        "step_ms_mean": statistics.fmean(wall),
         "step_ms_p90": sorted(wall)[int(0.9 * (len(wall) - 1))],
         "forward_ms_median": statistics.median(fwd),
         "overhead_ms_median": statistics.median(over),
@@ -267,6 +333,7 @@ def summarise(samples: list[tuple[float, float, int]], nodes_per_s: float) -> di
         "batch_sequences_median": statistics.median(s[2] for s in samples),
         "batch_sequences_max": max(s[2] for s in samples),
         "samples": len(samples),
+        "split_ms_mean": call_split(before, after, statistics.fmean(wall)),
     }
 
 
@@ -328,9 +395,9 @@ def main() -> None:
                 for n in levels:
                     seqs = prefill_all(client, n, vocab, f"{mode}{n}", seed=n)
                     if mode == "clients":
-                        r = run_clients(server.address, seqs, args.warmup, args.steps)
+                        r = run_clients(server.address, seqs, args.warmup, args.steps, server.metrics_url)
                     else:
-                        r = run_batched(client, seqs, args.warmup, args.steps)
+                        r = run_batched(client, seqs, args.warmup, args.steps, server.metrics_url)
                     for s in seqs:
                         client.release(s.sid)
                     r.update(mode=mode, sequences=n)
@@ -357,6 +424,13 @@ def main() -> None:
         print(f"{r['mode']:8s} {r['sequences']:4d} {r['nodes_per_s']:10.0f} {r['step_ms_median']:8.2f} "
               f"{r['step_ms_p90']:8.2f} {r['forward_ms_median']:8.2f} {r['overhead_ms_median']:11.3f} "
               f"{100 * r['overhead_frac']:5.1f}% {r['batch_sequences_median']:5.0f}")
+    print(f"\nwhere a call's time goes (means, ms; grpc = call wall - server handler):\n{'mode':8s} {'seqs':>4s} "
+          f"{'call':>7s} {'grpc':>7s} " + " ".join(f"{st:>8s}" for st in STAGES) + f" {'inline':>6s}")
+    for r in rows:
+        sp = r["split_ms_mean"]
+        if sp:
+            print(f"{r['mode']:8s} {r['sequences']:4d} {r['step_ms_mean']:7.2f} {sp['grpc']:7.3f} "
+                  + " ".join(f"{sp[st]:8.3f}" for st in STAGES) + f" {100 * sp['inline_share']:5.0f}%")
     if solo:
         print(f"overhead at one sequence: {100 * report['overhead_frac_batch1']:.1f}% of the step "
               f"(target <= 10%: {'met' if report['overhead_target_met'] else 'NOT met'})")

@@ -79,10 +79,12 @@ class Server:
     """A gRPC server with health and reflection. Register servicers, then `start()`;
     `wait()` blocks until SIGTERM/SIGINT (or `stop()`), then drains for GRACE_SECONDS."""
 
-    def __init__(self, address: str, max_workers: int = 32, auth_token: str | None = None):
+    def __init__(self, address: str, max_workers: int = 32, auth_token: str | None = None,
+                 executor: futures.Executor | None = None):
+        """executor: the pool that runs the calls (default: a ThreadPoolExecutor of max_workers)."""
         interceptors = [BearerTokenAuth(auth_token)] if auth_token else []
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers),
+            executor or futures.ThreadPoolExecutor(max_workers=max_workers),
             interceptors=interceptors,
             options=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

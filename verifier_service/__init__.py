@@ -5,9 +5,10 @@ Modules, each with one job:
   sequences  the sequence table and the idempotent commit rule
   results    per-node answers computed next to the logits (argmax, seeded samples, the walk)
   engine     every operation on the model and the table (single-threaded)
-  batcher    the model thread: continuous batching of Verify items, serial Prefill/Commit/Release
+  batcher    who runs the model: continuous batching of Verify items, serial Prefill/Commit/Release
   servicer   the gRPC edge: decode, validate, hand over, encode
-  metrics    Prometheus counters and histograms
+  pool       the RPC thread pool (the most recently idle thread takes the next call)
+  metrics    Prometheus counters and histograms (with each Verify call's time split by stage)
   client     a typed client for the orchestrator
   cli        `treeserve verifier`
 """

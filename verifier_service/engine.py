@@ -1,7 +1,8 @@
 """Everything the verifier does to its model and its sequences, one call at a time.
 
-The engine is single-threaded by design: the batcher's model thread is its only caller, so the
-model never runs two forwards at once and the sequence table needs no locks. Requests arrive here
+The engine is single-threaded by design: only the thread holding the model in the batcher (its
+model thread, or an RPC thread that found the model free) calls it, one at a time, so the model
+never runs two forwards at once and the sequence table needs no locks. Requests arrive here
 already decoded and validated against the static limits (trees, prompts, sampling); what needs
 the live state (unknown ids, lengths, commits, free slots) is checked here.
 """

@@ -56,13 +56,18 @@ def compute(logits: torch.Tensor, offsets: list[int], queries: list[NodeQuery]) 
             k = min(q.top_logprobs, logits.shape[-1])
             top = torch.log_softmax(logits[lo:hi].float(), dim=-1).topk(k, dim=-1)
             topk_parts += [top.indices.float().flatten(), top.values.flatten()]
-    # one device->host transfer for the whole batch (token ids < 2^24 are exact in float32)
-    packed = torch.cat([tokens.float(), *topk_parts]).cpu().tolist()
+    # one device->host transfer for the whole batch: the tokens alone, or the tokens packed with
+    # the top-k ids and log-probs in float32 (token ids < 2^24 are exact in float32)
+    if topk_parts:
+        packed = torch.cat([tokens.float(), *topk_parts]).cpu().tolist()
+        node_tokens = [int(t) for t in packed[: len(tokens)]]
+    else:
+        packed, node_tokens = [], tokens.cpu().tolist()
     out: list[NodeResults] = []
     cursor = len(tokens)
     for b, q in enumerate(queries):
         lo, hi = offsets[b], offsets[b + 1]
-        res = NodeResults([int(t) for t in packed[lo:hi]])
+        res = NodeResults(node_tokens[lo:hi])
         if q.top_logprobs > 0:
             k = min(q.top_logprobs, logits.shape[-1])
             n = (hi - lo) * k

@@ -5,7 +5,7 @@ commit of the tree it verified last, and every commit names the length it was pl
 rule below makes retries safe (see the .proto): reaching a length that is already reached is a
 no-op; any other mismatch is FAILED_PRECONDITION.
 
-The table is used by the model thread only; other threads may read `len()` for statistics.
+The table is used by whichever thread holds the model (one at a time); others may read `len()`.
 """
 from __future__ import annotations
 

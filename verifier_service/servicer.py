@@ -1,8 +1,11 @@
-"""The Verifier gRPC service: decode and check requests at the edge, hand the work to the model
-thread, encode the answers. Nothing here touches the model."""
+"""The Verifier gRPC service: decode and check requests at the edge, hand the work to the batcher
+(which runs it on this RPC thread when the model is free), encode the answers, and report where a
+Verify call's time went (metrics, recorded after the reply is sent). Nothing here touches the
+model directly."""
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -17,6 +20,7 @@ from verifier_service.batcher import Batcher
 from verifier_service.engine import Engine, VerifyWork
 from verifier_service.limits import MAX_SEQUENCE_ID_BYTES, MAX_TOP_LOGPROBS, Limits
 from verifier_service.metrics import metrics
+from verifier_service.pool import LifoExecutor
 
 
 class DeadlineExceeded(ServeError):
@@ -35,6 +39,13 @@ def _counted(method):
             raise
 
     return call
+
+
+def after_reply(context, fn) -> None:
+    """Run `fn` once the call is over (gRPC runs call callbacks after the reply went out), so
+    bookkeeping such as metrics stays off the caller's path; at once if the call already ended."""
+    if not context.add_callback(fn):
+        fn()
 
 
 def check_sequence_id(sequence_id: str) -> str:
@@ -70,6 +81,9 @@ class VerifierServicer(pbg.VerifierServicer):
         self._info = info
 
     def _wait(self, future, context):
+        """The future's result within the call's deadline. A call that ran the model on its own
+        thread (the model was free) comes here with the result in hand, after its deadline if
+        the forward outlasted it; gRPC then reports DEADLINE_EXCEEDED to the caller."""
         remaining = context.time_remaining()
         try:
             return future.result(timeout=remaining)
@@ -133,6 +147,7 @@ class VerifierServicer(pbg.VerifierServicer):
     @grpc_errors
     @_counted
     def Verify(self, request, context):
+        t_start = time.perf_counter()
         ids = [it.sequence_id for it in request.items]
         if len(set(ids)) != len(ids):
             dup = next(s for s in ids if ids.count(s) > 1)
@@ -146,17 +161,35 @@ class VerifierServicer(pbg.VerifierServicer):
                 where.append(i)
             except ServeError as exc:
                 errors[i] = exc
+        t_handoff = time.perf_counter()
         reply = self._wait(self._batcher.verify(works, alive=context.is_active), context)
-        outputs = dict(zip(where, reply.outputs))
+        t_back = time.perf_counter()
+        resp = self._encode(request, reply, dict(zip(where, reply.outputs)), errors)
+        t_end = time.perf_counter()
+        timing = reply.timing
+        stages = {
+            "decode": (t_handoff - t_start) * 1e3,
+            "queue": timing.queue,
+            "forward": timing.forward,
+            "engine": timing.engine,
+            "handback": max(0.0, t_back - reply.done_at) * 1e3,
+            "encode": (t_end - t_back) * 1e3,
+            "total": (t_end - t_start) * 1e3,
+        }
+        after_reply(context, lambda: self._record(stages, timing.inline))
+        return resp
+
+    @staticmethod
+    def _encode(request, reply, outputs: dict, errors: dict):
         resp = pb.VerifyResponse(forward_ms=reply.forward_ms, batch_sequences=reply.batch_sequences)
-        m = metrics()
+        results = resp.results
         for i, item in enumerate(request.items):
-            r = resp.results.add(sequence_id=item.sequence_id)
+            r = results.add(sequence_id=item.sequence_id)
             out = outputs.get(i)
             exc = errors.get(i) if out is None else out.error
             if exc is not None:
                 r.error.CopyFrom(item_error(exc))
-                m.error(status_of(exc)[0])
+                metrics().error(status_of(exc)[0])
                 continue
             res = out.result
             r.committed_length = out.committed_length
@@ -166,6 +199,13 @@ class VerifierServicer(pbg.VerifierServicer):
             for toks, lps in res.top_logprobs:
                 r.top_logprobs.add(tokens=toks, logprobs=lps)
         return resp
+
+    @staticmethod
+    def _record(stages: dict[str, float], inline: bool) -> None:
+        m = metrics()
+        m.call(stages)
+        if inline:
+            m.inline_calls.inc()
 
     # ---- statistics ---------------------------------------------------------------------
     @grpc_errors
@@ -202,12 +242,13 @@ def eos_ids(lm) -> tuple[int, ...]:
 
 
 class VerifierServer:
-    """A running Verifier: model thread + gRPC server. `stop()` shuts both down."""
+    """A running Verifier: batcher (model thread) + gRPC server. `stop()` shuts both down."""
 
     def __init__(self, lm, limits: Limits, address: str, info: ModelInfo, auth_token: str | None = None):
         self.engine = Engine(lm, limits.validate())
         self.batcher = Batcher(self.engine, limits, device=info.device).start()
-        self.server = Server(address, max_workers=max(32, 2 * limits.max_sequences + 8), auth_token=auth_token)
+        self._pool = LifoExecutor(max(32, 2 * limits.max_sequences + 8), name="verifier-rpc")
+        self.server = Server(address, auth_token=auth_token, executor=self._pool)
         self.server.add(pbg.add_VerifierServicer_to_server, VerifierServicer(self.engine, self.batcher, info), "Verifier")
         self.server.start()
         self.port = self.server.port
@@ -216,7 +257,9 @@ class VerifierServer:
         """Serve until SIGTERM/SIGINT."""
         self.server.wait()
         self.batcher.stop()
+        self._pool.shutdown(wait=False)
 
     def stop(self) -> None:
         self.server.stop(grace=1.0)
         self.batcher.stop()
+        self._pool.shutdown(wait=False)

@@ -1,7 +1,9 @@
 """The model thread in-process: packing, splitting, cancelled callers, the idle sweep."""
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -147,17 +149,175 @@ def test_bearer_token_is_required(tiny_pair):
 
 def test_window_waits_only_for_expected_company(make):
     engine, batcher = make(batch_window_ms=1500)
-    seqs = _prefill(engine, 3)
-    (a, La, ra), (b, Lb, rb), _ = seqs
+    (a, La, ra), (b, Lb, rb), _ = _prefill(engine, 3)
+    one = {a: VerifyWork(a, La, TokenTree.single(ra)), b: VerifyWork(b, Lb, TokenTree.single(rb))}
+    # s0 and s1 come in separate requests and share a forward (queued before the model thread starts)
+    first = [batcher.verify([one[a]]), batcher.verify([one[b]])]
     batcher.start()
-    # s0 alone, with other live sequences idle: nobody is expected, no wait
+    assert [f.result(30).batch_sequences for f in first] == [2, 2]
+    # s0 comes back first and waits for s1, which follows shortly (each from its own thread, as
+    # RPCs come: a caller that finds the model free runs it itself)
+    with ThreadPoolExecutor(2) as rpc:
+        fa = rpc.submit(lambda: batcher.verify([one[a]]).result(30))
+        time.sleep(0.2)
+        fb = rpc.submit(lambda: batcher.verify([one[b]]).result(30))
+        assert fa.result(30).batch_sequences == fb.result(30).batch_sequences == 2
+    # a caller that sent s0 and s1 together and now sends s0 alone is done with s1 (its Release may
+    # still be on the way): no wait; nor for s0 alone with the other live sequences idle
+    assert batcher.verify([one[a], one[b]]).result(30).batch_sequences == 2
     t = time.monotonic()
     for _ in range(3):
-        assert batcher.verify([VerifyWork(a, La, TokenTree.single(ra))]).result(30).batch_sequences == 1
+        assert batcher.verify([one[a]]).result(30).batch_sequences == 1
     assert time.monotonic() - t < 1.0
-    # s0 and s1 shared the last forward; s0 comes back first and waits for s1, which follows shortly
-    batcher.verify([VerifyWork(a, La, TokenTree.single(ra)), VerifyWork(b, Lb, TokenTree.single(rb))]).result(30)
-    fa = batcher.verify([VerifyWork(a, La, TokenTree.single(ra))])
-    time.sleep(0.2)
-    fb = batcher.verify([VerifyWork(b, Lb, TokenTree.single(rb))])
-    assert fa.result(30).batch_sequences == fb.result(30).batch_sequences == 2
+
+
+def test_window_opens_when_the_model_comes_free(make):
+    """Clients that fell out of step (one arriving while the other's forward runs) share again."""
+    engine, batcher = make(batch_window_ms=500)
+    (a, La, ra), (b, Lb, rb) = _prefill(engine, 2)
+    one = {a: VerifyWork(a, La, TokenTree.single(ra)), b: VerifyWork(b, Lb, TokenTree.single(rb))}
+    first = [batcher.verify([one[a]]), batcher.verify([one[b]])]  # separate requests, one forward
+    batcher.start()
+    assert [f.result(30).batch_sequences for f in first] == [2, 2]
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        holding.set()
+        return release.wait(30)
+
+    with ThreadPoolExecutor(3) as rpc:
+        held = rpc.submit(lambda: batcher.submit(hold).result(30))  # stands in for b's forward
+        assert holding.wait(10)
+        fa = rpc.submit(lambda: batcher.verify([one[a]]).result(30))
+        deadline = time.monotonic() + 10
+        while batcher.queued < 1:
+            time.sleep(0.01)
+            assert time.monotonic() < deadline
+        time.sleep(0.6)  # s0 has been queued for longer than the window
+        release.set()
+        time.sleep(0.05)
+        fb = rpc.submit(lambda: batcher.verify([one[b]]).result(30))
+        assert held.result(30) is True
+        assert fa.result(30).batch_sequences == fb.result(30).batch_sequences == 2
+
+
+def _record_threads(engine):
+    """Wrap engine.verify to log (thread, sequences) per forward; returns the log."""
+    calls: list[tuple[threading.Thread, int]] = []
+    verify = engine.verify
+
+    def logged(works):
+        calls.append((threading.current_thread(), len(works)))
+        return verify(works)
+
+    engine.verify = logged
+    return calls
+
+
+def test_a_lone_request_runs_at_once_on_the_callers_thread(make):
+    engine, batcher = make(batch_window_ms=200)
+    (a, La, ra), (b, Lb, rb), _ = _prefill(engine, 3)  # the third live sequence stays idle
+    calls = _record_threads(engine)
+    batcher.start()
+    # a lone client; then an orchestrator-like caller that drops a sequence it sent last time
+    for works in ([(a, La, ra)], [(a, La, ra)], [(a, La, ra), (b, Lb, rb)], [(a, La, ra)]):
+        t = time.monotonic()
+        fut = batcher.verify([VerifyWork(sid, L, TokenTree.chain([root, 7, 8])) for sid, L, root in works])
+        elapsed = time.monotonic() - t
+        assert fut.done(), "the model was free: the caller should have run the forward itself"
+        reply = fut.result(0)
+        assert all(o.error is None for o in reply.outputs) and reply.batch_sequences == len(works)
+        assert reply.timing.inline and reply.timing.forward == reply.forward_ms > 0
+        waited = elapsed - reply.forward_ms / 1e3  # the first forward of a fresh model is slow
+        assert reply.timing.queue < 100 and waited < 0.1, f"{len(works)} sequence(s) waited {waited:.3f} s"
+    assert calls == [(threading.current_thread(), 1)] * 2 + [(threading.current_thread(), 2), (threading.current_thread(), 1)]
+    # operations too: a commit runs on this thread and is done on return
+    op = batcher.submit(engine.commit, a, La, (0, 1))
+    assert op.done() and op.result(0) == La + 2
+
+
+def test_requests_arriving_while_the_model_is_busy_share_the_next_forward(make):
+    engine, batcher = make(batch_window_ms=0)
+    seqs = _prefill(engine, 4)
+    calls = _record_threads(engine)
+    batcher.start()
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        holding.set()
+        return release.wait(30)
+
+    with ThreadPoolExecutor(5) as rpc:
+        # an operation holds the model (on its caller's thread) until released
+        held = rpc.submit(lambda: batcher.submit(hold).result(30))
+        assert holding.wait(10)
+        deadline = time.monotonic() + 10
+        futs = [rpc.submit(lambda s=s: batcher.verify([VerifyWork(s[0], s[1], TokenTree.single(s[2]))]).result(30))
+                for s in seqs]
+        while batcher.queued < len(seqs):
+            time.sleep(0.01)
+            assert time.monotonic() < deadline
+        release.set()
+        assert held.result(30) is True
+        replies = [f.result(30) for f in futs]
+    assert [r.batch_sequences for r in replies] == [4] * 4
+    assert all(r.outputs[0].error is None and not r.timing.inline for r in replies)
+    assert len(calls) == 1 and calls[0][1] == 4
+    assert calls[0][0].name == "verifier-model"  # the caller that held the model handed the rest over
+
+
+def test_stop_while_a_caller_holds_the_model_finishes_what_was_queued(make):
+    engine, batcher = make()
+    ((sid, L, root),) = _prefill(engine, 1)
+    batcher.start()
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        holding.set()
+        return release.wait(30)
+
+    with ThreadPoolExecutor(3) as rpc:
+        held = rpc.submit(lambda: batcher.submit(hold).result(30))
+        assert holding.wait(10)
+        queued = rpc.submit(lambda: batcher.verify([VerifyWork(sid, L, TokenTree.single(root))]).result(30))
+        deadline = time.monotonic() + 10
+        while batcher.queued < 1:
+            time.sleep(0.01)
+            assert time.monotonic() < deadline
+        stopping = rpc.submit(batcher.stop)
+        time.sleep(0.05)
+        release.set()
+        stopping.result(30)
+        assert held.result(30) is True
+        assert queued.result(30).outputs[0].error is None
+    assert batcher.verify([VerifyWork(sid, L, TokenTree.single(root))]).result(5).outputs[0].error.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_only_a_few_threads_run_the_model_themselves(make):
+    from verifier_service.batcher import INLINE_THREADS
+
+    engine, batcher = make()
+    ((sid, L, root),) = _prefill(engine, 1)
+    calls = _record_threads(engine)
+    batcher.start()
+    finish = threading.Event()
+    callers = []
+
+    def call(called: threading.Event) -> None:
+        batcher.verify([VerifyWork(sid, L, TokenTree.single(root))]).result(30)
+        called.set()
+        finish.wait(30)  # stay alive, as pool threads do (a finished thread's id may be reused)
+
+    try:
+        for _ in range(INLINE_THREADS + 2):  # one more thread per request, as a growing RPC pool
+            called = threading.Event()
+            callers.append(threading.Thread(target=call, args=(called,)))
+            callers[-1].start()
+            assert called.wait(30)
+    finally:
+        finish.set()
+        for t in callers:
+            t.join(30)
+    ran_on = [c[0] for c in calls]
+    assert ran_on[:INLINE_THREADS] == callers[:INLINE_THREADS]
+    assert [t.name for t in ran_on[INLINE_THREADS:]] == ["verifier-model"] * 2

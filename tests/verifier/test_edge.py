@@ -11,6 +11,7 @@ from treeserve.sampling import Sampling
 from treeserve.tree import TokenTree
 from treeserve.v1 import treeserve_pb2 as pb
 from verifier_service.client import CommitSpec, VerifyItem
+from verifier_service.metrics import CALL_STAGES
 
 VOCAB = 320
 
@@ -101,5 +102,10 @@ def test_metrics_endpoint(verifier, client, fresh_id):
     text = urllib.request.urlopen(f"http://127.0.0.1:{verifier.metrics_port}/metrics", timeout=10).read().decode()
     for name in ("treeserve_verifier_forward_passes_total", "treeserve_verifier_nodes_verified_total",
                  "treeserve_verifier_batch_sequences_bucket", "treeserve_verifier_forward_ms_bucket",
-                 'treeserve_verifier_errors_total{code="FAILED_PRECONDITION"}'):
+                 'treeserve_verifier_errors_total{code="FAILED_PRECONDITION"}',
+                 *(f'treeserve_verifier_call_ms_count{{stage="{st}"}}' for st in CALL_STAGES)):
         assert name in text, name
+    # the calls above came alone to a free model: each ran its forward on its own RPC thread
+    inline = next(float(line.split()[-1]) for line in text.splitlines()
+                  if line.startswith("treeserve_verifier_inline_calls_total"))
+    assert inline >= 1

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU correctness tests, then the kernel and runtime benchmarks.
 # Usage (on a CUDA machine, repository root): bash bench/gpu_suite.sh OUTDIR [STAGES...]
-# Stages: tests kernels runtime verifier drafter (default: all). Logs and JSON land in OUTDIR.
+# Stages: tests kernels ssm runtime verifier drafter (default: all but ssm, which `kernels` includes).
+# Logs and JSON land in OUTDIR.
 set -uo pipefail
 out=${1:?output directory}; shift
 stages=${*:-tests kernels runtime verifier drafter}
@@ -17,7 +18,9 @@ python3 -c "import torch, triton, transformers, grpc; print('torch', torch.__ver
 for stage in $stages; do
   echo "=== $stage $(date -u +%FT%TZ)"
   case $stage in
-    tests) python3 -m pytest -q -p no:cacheprovider -k "not compile" tests/gpu 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|Error" | tail -40 ;;
+    tests) python3 -m pytest -q -p no:cacheprovider -k "not compile" tests/gpu tests/drafter/test_cuda.py 2>&1 \
+             | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|Error" | tail -40 ;;
+    ssm) python3 -m bench.ssm_kernels --out "$out/ssm_kernels.json" 2>&1 | tee "$out/ssm_kernels.log" | tail -60 ;;
     kernels)
       python3 -m bench.ssm_kernels --out "$out/ssm_kernels.json" 2>&1 | tee "$out/ssm_kernels.log" | tail -40
       python3 -m bench.attn_conv_kernels --out "$out/attn_conv_kernels.json" 2>&1 | tee "$out/attn_conv_kernels.log" | tail -30 ;;
@@ -26,6 +29,10 @@ for stage in $stages; do
         python3 -m bench.model_runtime --shape $shape --out "$out/runtime_$shape.json" 2>&1 | tee "$out/runtime_$shape.log" | tail -25
       done ;;
     verifier) python3 -m bench.verifier_service --shape mamba2-2.7b --out "$out/verifier.json" 2>&1 | tee "$out/verifier.log" | tail -20 ;;
-    drafter) echo "drafter bench runs with the trained pair (bench e2e)";;
+    drafter)
+      for graphs in cuda-graphs no-cuda-graphs; do
+        python3 -m bench.drafter --model models/demo/drafter --target models/demo/target --device cuda --$graphs \
+          --out "$out/drafter_$graphs.json" 2>&1 | tee "$out/drafter_$graphs.log" | tail -20
+      done ;;
   esac
 done

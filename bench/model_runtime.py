@@ -131,6 +131,7 @@ def bench_runtime(lm, graphs: bool, sizes, rng, vocab: int, max_decode: int) -> 
     steps = iter(range(10**9))
     dec_ms = median_ms(lambda: lm.decode([slot], [next(steps) % vocab]), 5, max_decode)
     out = {"decode_ms": dec_ms, "verify_ms": {}, "verify_ratio": {}, "verify_commit_ms": {}}
+    out["decode_kernels"] = kernel_census(lambda: lm.decode([slot], [next(steps) % vocab]))
     for n in sizes:
         tree = balanced_tree(n, rng, vocab)
         ms = median_ms(lambda: lm.verify([slot], [tree]), 3, 15)
@@ -151,6 +152,28 @@ def bench_runtime(lm, graphs: bool, sizes, rng, vocab: int, max_decode: int) -> 
     if lm.graphs is not None:
         out["graph_failures"] = list(lm.graphs.failures)
     return out
+
+
+def kernel_census(fn, top: int = 12) -> dict:
+    """GPU kernels one call of `fn` runs (inside CUDA graphs too): how many, their summed time, and
+    the `top` kernels by time as [name, count, total us]. What to fuse next is read off this."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        fn()  # warm (graph capture, compilation) outside the trace
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        rows = []
+        for e in prof.key_averages():
+            us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+            if us > 0:
+                rows.append([e.key[:80], e.count, round(us, 1)])
+    except Exception as e:  # the profiler is a diagnostic: never fail the benchmark for it
+        return {"error": f"{type(e).__name__}: {e}"}
+    rows.sort(key=lambda r: -r[2])
+    return {"kernels": sum(r[1] for r in rows), "total_us": round(sum(r[2] for r in rows), 1), "top": rows[:top]}
 
 
 def bench_hf_generate(model, rng, vocab: int, new_tokens: int) -> float:
@@ -336,6 +359,11 @@ def main() -> None:
         json.dump(report, f, indent=1)
     print(json.dumps({k: report[k] for k in ("decode_floor_ms", "copy_bandwidth_GBps")}), flush=True)
     print("decode ms eager %.3f graphs %.3f floor %.3f" % (report["eager"]["decode_ms"], report["graphs"]["decode_ms"], report["decode_floor_ms"]))
+    census = report["graphs"]["decode_kernels"]
+    if "kernels" in census:
+        print(f"decode step (graphs): {census['kernels']} kernels, {census['total_us']:.0f} us of kernel time")
+        for name, count, us in census["top"]:
+            print(f"  {us:9.1f} us  {count:5d}x  {name}")
     for n in sizes:
         print(f"N={n:4d} verify ratio eager {report['eager']['verify_ratio'][n]:.2f} graphs {report['graphs']['verify_ratio'][n]:.2f}")
 

@@ -11,9 +11,12 @@ reads + writes; bf16 activations, fp32 state) divided by the device-to-device co
 measured in the same run (a 1 GiB `copy_`, counted as read + write). `x floor` = time / floor.
 
 Rows: one-token decode and K = 4 chain updates; the tree scan at N = 1, 4, 16, 64, 128 nodes (and
-a batch of 16 64-node trees) with its ratio to a one-token decode of the same layer and batch; the
-tree scan's PyTorch twin; verifying every root-to-leaf path of the same tree as separate chains
-(state copied to one scratch slot per leaf, then one chain update over all leaves); commit; prefill.
+a batch of 16 64-node trees) as the model calls it, with the per-forward ancestor bits passed in,
+its ratio to a one-token decode of the same layer and batch counting 1/layers of the bits' build
+(the build is also timed on its own, and so is a standalone scan that builds its own bits); a small
+sweep of the scan's launch configuration (headdim block, warps, register cap); the PyTorch twin;
+verifying every root-to-leaf path of the same tree as separate chains (state copied to one scratch
+slot per leaf, then one chain update over all leaves); commit; prefill.
 Targets: memory-bound kernels within 1.5x of the floor; a 64-node tree scan within 1.2x of decode.
 """
 from __future__ import annotations
@@ -25,13 +28,20 @@ import statistics
 import time
 
 import torch
+import triton
 
 from kernels.ssd_prefill import ssd_prefill, ssd_prefill_ref
 from kernels.ssd_tree import tree_ssd_scan, tree_ssd_scan_ref
 from kernels.ssm_commit import ssm_state_commit
 from kernels.ssm_decode import ssm_chain_update
+from kernels.tree_struct import ancestor_bits
 
 SHAPES = {"mamba2-2.7b": (80, 64, 128, 1), "hybrid-8b": (32, 128, 128, 32)}  # (H, P, N, G)
+MAMBA_LAYERS = {"mamba2-2.7b": 64, "hybrid-8b": 16}  # Mamba2 layers per forward (bench.model_runtime's shapes)
+# tree-scan launch configurations timed next to the default, (headdim block, warps, register cap or 0),
+# at these (batch, nodes)
+SCAN_CONFIGS = [(32, 8, 0), (32, 8, 128), (64, 8, 0), (32, 4, 0), (64, 4, 0)]
+SWEEP_AT = {(1, 16), (1, 64), (16, 64)}
 TREE_SIZES = (1, 4, 16, 64, 128)
 PREFILL_LEN = 2048
 LIMIT = (0.0, float("inf"))
@@ -187,21 +197,38 @@ def bench_shape(shape: str, timer: Timer, rep: Report, seed: int) -> dict:
             if K == 1:
                 decode_us[nb] = us
 
-    # tree scan at several sizes, batch 1, and a batch of 16 64-node trees
+    # tree scan at several sizes, batch 1, and a batch of 16 64-node trees, timed as the model runs it:
+    # the ancestor bits are built once per forward and shared by every Mamba layer, so a layer pays
+    # the scan plus 1/layers of the build (both also reported on their own)
+    layers = MAMBA_LAYERS[shape]
     for nb, n in [(1, n) for n in TREE_SIZES] + [(16, 64)]:
         trees = [random_tree(n, rng) for _ in range(nb)]
         a = tree_inputs(shape, trees, gen, slots=nb)
-        us = timer(lambda: tree_ssd_scan(**a))
+        struct = (a["parents"], a["cu_seqlens"], a["max_nodes"])
+        bits = ancestor_bits(*struct)
+        build_us = timer(lambda: ancestor_bits(*struct))
+        rep.add(shape, "ancestor_bits", nb, n, build_us, None,
+                note=f"once per forward = {build_us / layers:.2f} us per layer over {layers} Mamba layers")
+        us = timer(lambda: tree_ssd_scan(**a, ancestors=bits))
+        per_layer = us + build_us / layers
         nbytes = state_bytes(shape, nb) + token_bytes(shape, nb * n)
-        ratio = us / decode_us[nb]
-        note = f"{ratio:.2f}x decode"
+        ratio = per_layer / decode_us[nb]
+        note = f"{ratio:.2f}x decode with build/{layers}"
         if n == 64:
             note += " (target <= 1.2)"
             summary[f"tree64_vs_decode_batch{nb}"] = round(ratio, 3)
-        rep.add(shape, "tree_ssd_scan", nb, n, us, nbytes, x_decode=round(ratio, 3), note=note)
+        rep.add(shape, "tree_ssd_scan", nb, n, us, nbytes, per_layer_us=round(per_layer, 2), x_decode=round(ratio, 3),
+                note=note)
+        alone_us = timer(lambda: tree_ssd_scan(**a))
+        rep.add(shape, "scan building its bits", nb, n, alone_us, None,
+                note="a standalone call: build + scan, two launches")
+        for bp, warps, regs in SCAN_CONFIGS if (nb, n) in SWEEP_AT else ():
+            cfg_us = timer(lambda: tree_ssd_scan(**a, ancestors=bits, block_p=bp, num_warps=warps, maxnreg=regs))
+            rep.add(shape, f"scan bp{bp} w{warps} regs{regs or '-'}", nb, n, cfg_us, None,
+                    x_default=round(cfg_us / us, 3), note=f"tuning sweep: {cfg_us / us:.2f}x the default launch")
 
         if nb == 1 and n in (16, 64, 128):
-            ref_us = timer(lambda: tree_ssd_scan_ref(**a), reps=max(5, timer.reps // 20))
+            ref_us = timer(lambda: tree_ssd_scan_ref(**a, ancestors=bits), reps=max(5, timer.reps // 20))
             rep.add(shape, "tree_ssd_scan_ref", nb, n, ref_us, None, x_triton=round(ref_us / us, 2),
                     note=f"{ref_us / us:.1f}x the Triton scan")
             # the same tree verified as one chain per root-to-leaf path (fresh state copy per path)
@@ -272,7 +299,6 @@ def main(argv=None) -> None:
         summary[shape] = bench_shape(shape, timer, rep, args.seed)
     rep.print()
     print("\nsummary:", json.dumps(summary))
-    import triton
 
     result = dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

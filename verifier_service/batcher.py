@@ -187,6 +187,10 @@ class Batcher:
             self._push([_Item(job, i) for i in range(len(job.works))], job.future, job)
         return job.future
 
+    def is_runner(self, ident: int) -> bool:
+        """Whether the thread `ident` has run the model (and may again without growing the set)."""
+        return ident in self._runners
+
     @property
     def queued(self) -> int:
         """Entries waiting for the model (Verify items count one each)."""

@@ -3,8 +3,10 @@
 gRPC runs every call on a pool thread. The standard pool's idle threads take turns, so a steady
 stream of calls, one at a time, visits every thread of the pool, each time one whose caches have
 gone cold. This pool keeps such a stream on one thread: the most recently idle one takes the next
-task. In the verifier that thread is also one that has run the model itself before (the batcher
-lets only a few threads do that, see `batcher.INLINE_THREADS`). Threads are made on demand, up to
+task. In the verifier that thread should also be one that has run the model itself before (the
+batcher lets only a few threads do that, see `batcher.INLINE_THREADS`): `prefer` names such threads,
+and an idle preferred thread goes before more recently idle others (after a burst of concurrent
+calls the last thread to come free is any of them). Threads are made on demand, up to
 `max_workers`; tasks beyond that wait, in order, for the next thread to come free.
 """
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import collections
 import threading
 from concurrent.futures import Executor, Future
+from typing import Callable, Optional
 
 
 class _Worker:
@@ -20,6 +23,7 @@ class _Worker:
     def __init__(self, pool: "LifoExecutor", task):
         self._pool = pool
         self._task = task
+        self.ident: Optional[int] = None  # the thread's, once it runs
         self._wake = threading.Lock()
         self._wake.acquire()
 
@@ -32,6 +36,7 @@ class _Worker:
         return self._task
 
     def run(self) -> None:
+        self.ident = threading.get_ident()
         task = self._task
         while task is not None:
             future, fn, args, kwargs = task
@@ -47,11 +52,13 @@ class _Worker:
 
 
 class LifoExecutor(Executor):
-    def __init__(self, max_workers: int, name: str = "rpc"):
+    def __init__(self, max_workers: int, name: str = "rpc", prefer: Optional[Callable[[int], bool]] = None):
+        """prefer(thread ident): whether an idle thread should take the next task before others."""
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         self._max = max_workers
         self._name = name
+        self._prefer = prefer
         self._lock = threading.Lock()
         self._idle: list[_Worker] = []  # a stack: the last one in goes first
         self._backlog: collections.deque = collections.deque()
@@ -65,7 +72,7 @@ class LifoExecutor(Executor):
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             if self._idle:
-                self._idle.pop().give(task)
+                self._take_idle().give(task)
             elif len(self._threads) < self._max:
                 worker = _Worker(self, task)
                 thread = threading.Thread(target=worker.run, name=f"{self._name}-{len(self._threads)}", daemon=True)
@@ -74,6 +81,15 @@ class LifoExecutor(Executor):
             else:
                 self._backlog.append(task)
         return future
+
+    def _take_idle(self) -> _Worker:
+        """The most recently idle preferred worker, else the most recently idle one (lock held)."""
+        if self._prefer is not None:
+            for i in range(len(self._idle) - 1, -1, -1):
+                ident = self._idle[i].ident
+                if ident is not None and self._prefer(ident):
+                    return self._idle.pop(i)
+        return self._idle.pop()
 
     def _next(self, worker: _Worker):
         """The worker's next task, waiting while there is none; None when the pool shuts down."""

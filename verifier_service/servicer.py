@@ -247,7 +247,8 @@ class VerifierServer:
     def __init__(self, lm, limits: Limits, address: str, info: ModelInfo, auth_token: str | None = None):
         self.engine = Engine(lm, limits.validate())
         self.batcher = Batcher(self.engine, limits, device=info.device).start()
-        self._pool = LifoExecutor(max(32, 2 * limits.max_sequences + 8), name="verifier-rpc")
+        self._pool = LifoExecutor(max(32, 2 * limits.max_sequences + 8), name="verifier-rpc",
+                                  prefer=self.batcher.is_runner)
         self.server = Server(address, auth_token=auth_token, executor=self._pool)
         self.server.add(pbg.add_VerifierServicer_to_server, VerifierServicer(self.engine, self.batcher, info), "Verifier")
         self.server.start()

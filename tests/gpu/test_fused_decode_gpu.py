@@ -9,13 +9,13 @@ row. Tolerances as in test_ssm_gpu.py: 1e-2 relative for bf16 outputs (one bf16 
 1e-3 for fp32 states plus the rounding of the update's bf16 factors (`assert_state_close`); conv
 states are data movement and must be equal.
 """
-import os
 
 import pytest
 import torch
 
 from kernels import norms, ops
 from kernels.mamba_decode import mamba_decode_step, mamba_decode_step_ref
+from tests.gpu.marks import compiled_triton, gpu  # noqa: F401 (fixture)
 from tests.kernels.ssm_oracle import assert_close, on, untouched_slots
 from tests.kernels.test_mamba_decode import oracle, step_case
 
@@ -31,17 +31,8 @@ DEV = "cuda"
 NB_LARGE = 128
 STEPS = 40
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture
-def compiled_triton():
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.fail("CUDA tests must run compiled kernels: set TRITON_INTERPRET=0 (tests/conftest.py defaults it to 1)")
-
-
-def gpu(fn):
-    return cuda(pytest.mark.usefixtures("compiled_triton")(fn))
 
 
 # The state update dt x (x) B takes x and B as the conv's bf16 outputs. The float64 oracle does not

@@ -20,6 +20,7 @@ from kernels.ssd_tree import tree_ssd_scan, tree_ssd_scan_ref
 from kernels.ssm_commit import ssm_state_commit, ssm_state_commit_ref
 from kernels.ssm_decode import ssm_chain_update, ssm_chain_update_ref
 from kernels.tree_struct import ancestor_bits, ancestor_bits_ref
+from tests.gpu.marks import compiled_triton, gpu  # noqa: F401 (fixture)
 from tests.kernels.ssm_oracle import (
     assert_close,
     assert_compiles_for_sm90,
@@ -44,7 +45,6 @@ BF16_TOL = 1e-2
 FP32_TOL = 1e-4
 PREFILL_STATE_TOL = 5e-3  # chunk states are tl.dot products with tf32-rounded dt-scaled x
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEV = "cuda"
 
 
@@ -53,15 +53,6 @@ def poison(monkeypatch):
     monkeypatch.setattr(ssm_common, "new_output", nan_output)
 
 
-@pytest.fixture
-def compiled_triton():
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.fail("CUDA tests must run compiled kernels: set TRITON_INTERPRET=0 (tests/conftest.py defaults it to 1)")
-
-
-def gpu(fn):
-    """A CUDA test: skipped without a device, failed (not skipped) if the kernels are interpreted."""
-    return cuda(pytest.mark.usefixtures("compiled_triton")(fn))
 
 
 TREES = [(64, "random"), (16, "bushy"), (1, "single"), (7, "chain"), (40, "deep"), (130, "random"), (256, "bushy")]

@@ -321,3 +321,46 @@ def test_only_a_few_threads_run_the_model_themselves(make):
     ran_on = [c[0] for c in calls]
     assert ran_on[:INLINE_THREADS] == callers[:INLINE_THREADS]
     assert [t.name for t in ran_on[INLINE_THREADS:]] == ["verifier-model"] * 2
+
+
+def test_after_a_burst_the_pool_gives_calls_to_threads_that_may_run_the_model(make):
+    """When the thread that came free last may not run the model (the runners are all taken), a
+    lone call still goes to one that may, so it needs no hand-off to the model thread."""
+    from verifier_service.batcher import INLINE_THREADS
+    from verifier_service.pool import LifoExecutor
+
+    engine, batcher = make()
+    ((sid, L, root),) = _prefill(engine, 1)
+    batcher.start()
+    n = INLINE_THREADS + 2
+    pool = LifoExecutor(n, name="burst", prefer=batcher.is_runner)
+
+    def verify():
+        return batcher.verify([VerifyWork(sid, L, TokenTree.single(root))]).result(30)
+
+    go, ran, release = ([threading.Event() for _ in range(n)] for _ in range(3))
+    inline = [None] * n
+
+    def hold(k):
+        go[k].wait(30)
+        if k < INLINE_THREADS:  # these threads run the model themselves and become its runners
+            inline[k] = verify().timing.inline
+        ran[k].set()
+        release[k].wait(30)
+
+    try:
+        held = [pool.submit(hold, k) for k in range(n)]  # n threads, all busy
+        for k in range(n):  # one at a time, so each finds the model free
+            go[k].set()
+            assert ran[k].wait(30)
+        assert inline[:INLINE_THREADS] == [True] * INLINE_THREADS
+        for k in range(n):  # the runners come free first; the last one free may not run the model
+            release[k].set()
+            held[k].result(30)
+            deadline = time.monotonic() + 10
+            while len(pool._idle) < k + 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+        assert pool.submit(verify).result(30).timing.inline
+    finally:
+        pool.shutdown()

@@ -47,24 +47,44 @@ def test_calls_one_at_a_time_stay_on_one_thread(pool):
     assert len(set(ran)) == 1  # a round-robin pool would visit all three
 
 
-def test_most_recently_idle_thread_goes_first(pool):
-    release = [threading.Event() for _ in range(3)]
-    started = [threading.Event() for _ in range(3)]
+def _free_in_order(pool, order) -> list[int]:
+    """Occupy len(order) threads, then let them come free in `order`; their idents in that order."""
+    release = [threading.Event() for _ in order]
+    started = [threading.Event() for _ in order]
 
     def hold(k):
         started[k].set()
         release[k].wait(10)
         return threading.get_ident()
 
-    futs = [pool.submit(hold, k) for k in range(3)]
+    futs = [pool.submit(hold, k) for k in range(len(order))]
     assert all(s.wait(10) for s in started)
     idents = []
-    for n, k in enumerate((2, 0, 1)):  # threads come free in this order
+    for n, k in enumerate(order):
         release[k].set()
         idents.append(futs[k].result(10))
         _idle(pool, n + 1)
+    return idents
+
+
+def test_most_recently_idle_thread_goes_first(pool):
+    idents = _free_in_order(pool, (2, 0, 1))
     # the last one free (task 1's thread) takes the next task
     assert pool.submit(threading.get_ident).result(10) == idents[-1]
+
+
+def test_a_preferred_idle_thread_goes_before_more_recently_idle_ones():
+    preferred: set[int] = set()
+    pool = LifoExecutor(3, name="p", prefer=preferred.__contains__)
+    try:
+        idents = _free_in_order(pool, (2, 0, 1))
+        preferred.add(idents[0])  # the first to come free, now the least recently idle
+        assert pool.submit(threading.get_ident).result(10) == idents[0]
+        _idle(pool, 3)
+        preferred.clear()  # no preferred thread: the most recently idle (the one that just ran)
+        assert pool.submit(threading.get_ident).result(10) == idents[0]
+    finally:
+        pool.shutdown()
 
 
 def test_threads_up_to_the_limit_then_tasks_wait_in_order(pool):

@@ -12,12 +12,7 @@
 set -uo pipefail
 cmd=${1:?train, wait or e2e}; shift
 pair=${PAIR_DIR:-/tmp/treeserve-medium}
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false TRITON_INTERPRET=0
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
+source "$(dirname "$0")/gpu_env.sh"
 
 running() { pgrep -f "models.training.make_pair --preset medium" >/dev/null; }
 

@@ -1,18 +1,14 @@
 #!/usr/bin/env bash
 # One device call: GPU correctness tests, then the kernel and runtime benchmarks.
 # Usage (on a CUDA machine, repository root): bash bench/gpu_suite.sh OUTDIR [STAGES...]
-# Stages: tests kernels ssm runtime verifier drafter (default: all but ssm, which `kernels` includes).
+# Stages: tests kernels runtime verifier drafter (default: all); `kernels` is `ssm attn_conv`.
 # Logs and JSON land in OUTDIR.
 set -uo pipefail
 out=${1:?output directory}; shift
 stages=${*:-tests kernels runtime verifier drafter}
+stages=${stages//kernels/ssm attn_conv}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false TRITON_INTERPRET=0
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 python3 -c "import torch, triton, transformers, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'grpcio', grpc.__version__)" | tee -a "$out/device.txt"
 for stage in $stages; do
@@ -21,9 +17,7 @@ for stage in $stages; do
     tests) python3 -m pytest -q -p no:cacheprovider -k "not compile" tests/gpu tests/drafter/test_cuda.py 2>&1 \
              | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|Error" | tail -40 ;;
     ssm) python3 -m bench.ssm_kernels --out "$out/ssm_kernels.json" 2>&1 | tee "$out/ssm_kernels.log" | tail -60 ;;
-    kernels)
-      python3 -m bench.ssm_kernels --out "$out/ssm_kernels.json" 2>&1 | tee "$out/ssm_kernels.log" | tail -40
-      python3 -m bench.attn_conv_kernels --out "$out/attn_conv_kernels.json" 2>&1 | tee "$out/attn_conv_kernels.log" | tail -30 ;;
+    attn_conv) python3 -m bench.attn_conv_kernels --out "$out/attn_conv_kernels.json" 2>&1 | tee "$out/attn_conv_kernels.log" | tail -30 ;;
     runtime)
       for shape in mamba2-2.7b hybrid-8b; do
         python3 -m bench.model_runtime --shape $shape --out "$out/runtime_$shape.json" 2>&1 | tee "$out/runtime_$shape.log" | tail -25

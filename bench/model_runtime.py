@@ -122,9 +122,10 @@ def balanced_tree(n: int, rng: random.Random, vocab: int):
 
 
 def bench_runtime(lm, graphs: bool, sizes, rng, vocab: int, max_decode: int) -> dict:
-    from models.graphs import GraphRunner
-
-    lm.graphs = GraphRunner(lm) if graphs else None
+    if graphs:
+        lm.use_graphs()
+    else:
+        lm.graphs = None
     prompt = [rng.randrange(vocab) for _ in range(PROMPT)]
     slot = lm.pool.alloc()
     lm.prefill([slot], [prompt])

@@ -98,7 +98,7 @@ class DraftModel:
         model = cls(lm, name=pathlib.Path(path).resolve().name, vocab_limit=vocab_limit, fork_slots=fork_slots,
                     trim=kept, trim_source=str(trim))
         if cuda_graphs is None:
-            cuda_graphs = lm.device.type == "cuda" and "moe" not in lm.config.kinds
+            cuda_graphs = lm.graphs_supported
         if cuda_graphs:
             model.use_graphs()
         return model
@@ -111,13 +111,10 @@ class DraftModel:
         The drafter runs one tree at a time, so the runner's shared stash is sized for one tree of
         the largest node bucket, not for a batch of every slot; with capture, every single-tree
         bucket is captured now, so no capture ever runs while other threads use the device."""
-        from models.graphs import NODE_BUCKETS, GraphRunner
+        from models.graphs import NODE_BUCKETS
 
-        if capture and self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device; the draft model is on {self.device}")
         with self._call():
-            runner = GraphRunner(self.lm, capture=capture, max_rows=max(NODE_BUCKETS))
-            self.lm.graphs = runner
+            runner = self.lm.use_graphs(capture, max_rows=max(NODE_BUCKETS))
             if capture:
                 self._warm_up(runner)
         self.forward_ms = 0.0  # start-up work is not drafting time

@@ -180,13 +180,27 @@ class HybridLM(nn.Module):
                 raise CheckpointError("Mamba2 blocks with different dt limits are not supported")
         want = self._want_graphs
         if want is None:
-            want = self.device.type == "cuda" and not any(isinstance(b.mixer, MoE) for b in self.blocks)
+            want = self.graphs_supported
         if want:
-            if self.device.type != "cuda":
-                raise ValueError("CUDA graphs need a CUDA device")
-            from models.graphs import GraphRunner
+            self.use_graphs()
 
-            self.graphs = GraphRunner(self)
+    @property
+    def graphs_supported(self) -> bool:
+        """Whether decode/verify can replay CUDA graphs: a CUDA device and no MoE blocks (their
+        routing is data-dependent, so they stay eager)."""
+        return self.device.type == "cuda" and not any(isinstance(b.mixer, MoE) for b in self.blocks)
+
+    def use_graphs(self, capture: bool = True, **options):
+        """From now on run decode and verify through bucketed static buffers: CUDA-graph replays
+        (`capture=True`, CUDA only), or the same programs run eagerly (`capture=False`, how CPU tests
+        exercise this path). `options` go to `models.graphs.GraphRunner` (node_buckets, max_rows).
+        Returns the runner."""
+        if capture and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the model is on {self.device}")
+        from models.graphs import GraphRunner
+
+        self.graphs = GraphRunner(self, capture=capture, **options)
+        return self.graphs
 
     # ---- the forward over a packed batch --------------------------------------------------------
     @property

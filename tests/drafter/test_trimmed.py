@@ -19,7 +19,6 @@ from tests.drafter.compare import assert_same_replies
 from tests.drafter.test_ahead import drive
 from treeserve.acceptance import Outcome, follow_target
 from treeserve.sampling import Sampling
-from treeserve.tree import TokenTree
 
 VOCAB = 320
 GREEDY = Sampling()

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device call: GPU correctness tests, then the kernel and runtime benchmarks.
 # Usage (on a CUDA machine, repository root): bash bench/gpu_suite.sh OUTDIR [STAGES...]
-# Stages: tests kernels runtime verifier drafter (default: all); `kernels` is `ssm attn_conv`.
+# Stages: tests kernels runtime verifier drafter (default: all); `kernels` is `ssm attn_conv linear`.
 # Logs and JSON land in OUTDIR.
 set -uo pipefail
 out=${1:?output directory}; shift
 stages=${*:-tests kernels runtime verifier drafter}
-stages=${stages//kernels/ssm attn_conv}
+stages=${stages//kernels/ssm attn_conv linear}
 mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
@@ -17,6 +17,7 @@ for stage in $stages; do
     tests) python3 -m pytest -q -p no:cacheprovider -k "not compile" tests/gpu tests/drafter/test_cuda.py 2>&1 \
              | tee "$out/gpu_tests.log" | grep -E "passed|failed|FAILED|Error" | tail -40 ;;
     ssm) python3 -m bench.ssm_kernels --out "$out/ssm_kernels.json" 2>&1 | tee "$out/ssm_kernels.log" | tail -60 ;;
+    linear) python3 -m bench.few_rows_linear --out "$out/few_rows_linear.json" 2>&1 | tee "$out/few_rows_linear.log" | tail -20 ;;
     attn_conv) python3 -m bench.attn_conv_kernels --out "$out/attn_conv_kernels.json" 2>&1 | tee "$out/attn_conv_kernels.log" | tail -30 ;;
     runtime)
       for shape in mamba2-2.7b hybrid-8b; do

@@ -40,8 +40,8 @@ SHAPES = {"mamba2-2.7b": (80, 64, 128, 1), "hybrid-8b": (32, 128, 128, 32)}  # (
 MAMBA_LAYERS = {"mamba2-2.7b": 64, "hybrid-8b": 16}  # Mamba2 layers per forward (bench.model_runtime's shapes)
 # tree-scan launch configurations timed next to the default, (headdim block, warps, register cap or 0),
 # at these (batch, nodes)
-SCAN_CONFIGS = [(32, 8, 0), (32, 8, 128), (64, 8, 0), (32, 4, 0), (64, 4, 0)]
-SWEEP_AT = {(1, 16), (1, 64), (16, 64)}
+SCAN_CONFIGS = [(32, 8, 0), (32, 8, 128), (64, 8, 0), (32, 4, 0), (64, 4, 0), (64, 16, 0), (32, 16, 0)]
+SWEEP_AT = {(1, 16), (1, 64), (1, 128), (16, 64)}
 TREE_SIZES = (1, 4, 16, 64, 128)
 PREFILL_LEN = 2048
 LIMIT = (0.0, float("inf"))

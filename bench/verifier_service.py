@@ -8,31 +8,37 @@ Without --model, a random-weight bf16 checkpoint of the shape is written to a te
 (config.json + one safetensors file; no tokenizer). The verifier runs as a separate process
 (`treeserve verifier`, CUDA graphs as the runtime decides), the load generator in this one.
 
-Two ways to load it, each with 1, 4, 16 and 64 sequences and 16-node trees:
+Three ways to load it, each with 1, 4, 16 and 64 sequences and 16-node trees:
   clients   one thread per sequence, each sending its own Verify call per step (the server's
             batching window packs them into shared forwards);
-  batched   one Verify call per step carrying every sequence (what the orchestrator's engine
-            loop sends).
+  batched   one unary Verify call per step carrying every sequence;
+  stream    the batched loop over one open VerifyStream: one request/response message pair per
+            step (what the orchestrator's engine loop sends), so batched vs stream is what the
+            stream saves per round trip.
 Every step carries the piggy-backed commit of the previous tree (a random root path of at most 4
 nodes), so state moves as in real decoding.
 
-Per step we record the call's wall time (request prebuilt, so only the call is timed) and the
-server's `forward_ms` (commits + forward + per-node results, measured on the model thread after
-the device has finished). overhead = wall - forward_ms is everything gRPC, the queue handoff and
-the batching window add (in `clients` mode with several sequences it also holds the time a call
-waits behind forwards it did not ride in). Target: median overhead <= 10% of the step at one
-sequence. Medians after warm-up.
+Per step we record the call's wall time (request prebuilt, so only the call, or the stream's
+message pair, is timed) and the server's `forward_ms` (commits + forward + per-node results,
+measured on the model thread after the device has finished). overhead = wall - forward_ms is
+everything gRPC, the queue handoff and the batching window add (in `clients` mode with several
+sequences it also holds the time a call waits behind forwards it did not ride in). Target: median
+overhead <= 10% of the step at one sequence. Medians after warm-up.
 
-Where the overhead goes: the server reports each Verify call's time by stage in its metrics
-(`treeserve_verifier_call_ms{stage}`: decode, queue, forward, engine, handback, encode, total; see
-verifier_service/metrics.py). The bench reads them before and after each row and prints their
-means per call, with grpc = mean call wall time - mean server handler time (both ends of gRPC,
-including the client's own encoding and decoding), and the share of calls that ran the model on
-their own RPC thread (inline).
+Where the overhead goes: the server reports each Verify call's (or stream message's) time by
+stage in its metrics (`treeserve_verifier_call_ms{stage}`: decode, queue, forward, engine,
+handback, encode, total; see verifier_service/metrics.py). The bench reads them before and after
+each row and prints their means per call, with grpc = mean call wall time - mean server handler
+time (both ends of gRPC, including the client's own encoding and decoding), and the share of calls
+that ran the model on their own RPC thread (inline).
+
+CPU smoke run (the tiny shape, no GPU):
+    python -m bench.verifier_service --shape mamba2-tiny --device cpu --concurrency 1 --out v.json
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -45,6 +51,7 @@ import threading
 import time
 import urllib.request
 
+MODES = ("clients", "batched", "stream")
 TREE_NODES = 16
 PROMPT = 128
 MAX_COMMIT = 4  # nodes per committed path
@@ -291,8 +298,9 @@ def run_clients(address: str, seqs: list[Sequence], warmup: int, steps: int, met
     return summarise(flat, n * steps * TREE_NODES / elapsed, totals[-1], call_totals(metrics_url))
 
 
-def run_batched(client, seqs: list[Sequence], warmup: int, steps: int, metrics_url: str) -> dict:
-    """One call per step with every sequence in it."""
+def run_batched(verify, seqs: list[Sequence], warmup: int, steps: int, metrics_url: str) -> dict:
+    """One request per step with every sequence in it; `verify(request) -> response` is a unary
+    Verify call (`batched`) or one message pair on an open VerifyStream (`stream`)."""
     from treeserve.v1 import treeserve_pb2 as pb
 
     samples = []
@@ -304,7 +312,7 @@ def run_batched(client, seqs: list[Sequence], warmup: int, steps: int, metrics_u
             t_start = time.perf_counter()
         req = pb.VerifyRequest(items=[s.item() for s in seqs])
         t = time.perf_counter()
-        resp = client.verify_raw(req, timeout=600)
+        resp = verify(req)
         wall = (time.perf_counter() - t) * 1e3
         for s, r in zip(seqs, resp.results):
             s.advance(r)
@@ -346,7 +354,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default=None, help="bf16 on cuda, fp32 on cpu by default")
     ap.add_argument("--concurrency", default="1,4,16,64")
-    ap.add_argument("--modes", default="clients,batched")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--server-args", default="", help="more `treeserve verifier` options, e.g. '--cuda-graphs off'")
@@ -354,6 +362,9 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     levels = [int(x) for x in args.concurrency.split(",")]
     modes = args.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        ap.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
     dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
     t0 = time.time()
     tmp = tempfile.TemporaryDirectory(prefix="verifier-bench-")
@@ -396,8 +407,12 @@ def main() -> None:
                     seqs = prefill_all(client, n, vocab, f"{mode}{n}", seed=n)
                     if mode == "clients":
                         r = run_clients(server.address, seqs, args.warmup, args.steps, server.metrics_url)
+                    elif mode == "stream":
+                        with client.verify_stream(timeout=600) as stream:
+                            r = run_batched(stream.send, seqs, args.warmup, args.steps, server.metrics_url)
                     else:
-                        r = run_batched(client, seqs, args.warmup, args.steps, server.metrics_url)
+                        r = run_batched(functools.partial(client.verify_raw, timeout=600), seqs, args.warmup,
+                                        args.steps, server.metrics_url)
                     for s in seqs:
                         client.release(s.sid)
                     r.update(mode=mode, sequences=n)

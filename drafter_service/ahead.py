@@ -37,6 +37,7 @@ import torch
 from drafter_service.draftlm import Gate
 from drafter_service.proposer import Draft, Proposer, draft_tree
 from drafter_service.state import Abandoned, DraftState
+from models.graphs import CAPTURE_LOCK
 from treeserve.tree import TokenTree
 
 log = logging.getLogger("treeserve.drafter.ahead")
@@ -162,14 +163,18 @@ class Round:
                 return
             self.running = unit
         try:
+            # the device work of this thread must not overlap a lazy graph capture of a target model
+            # sharing the process (models.graphs.CAPTURE_LOCK)
             if unit == "finalise":
-                probs = self.base.node_probs(self.tree)
-                preds = predict(self.tree, probs, self.config, self.base.picker.columns)
+                with CAPTURE_LOCK:
+                    probs = self.base.node_probs(self.tree)
+                    preds = predict(self.tree, probs, self.config, self.base.picker.columns)
                 with self.cv:
                     self.finalised = True
                     self._plan(preds)
             else:
-                result = self._prepare(unit)
+                with CAPTURE_LOCK:
+                    result = self._prepare(unit)
                 with self.cv:
                     unit.result, unit.done = result, True
         except Exception:  # noqa: BLE001 - a failed job is a miss, never an error for the client

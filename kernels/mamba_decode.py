@@ -22,6 +22,14 @@ counted with an atomic per row in `arrivals`, which every launch leaves at zero)
   program stores its gated values (fp32) and their partial sum of squares, and the last program
   normalises the row.
 No program ever waits for another, so the kernel cannot deadlock however its programs are scheduled.
+
+`mamba_decode_step_deferred_norm` is the same step for a layer whose gated norm spans the whole row
+(one group: Mamba2, Bamba) and whose out_proj has no bias. The norm's scale rstd is one number per
+row, and out_proj is linear, so out_proj(w * g * rstd) = rstd * out_proj(w * g): each program writes
+its own w * g and partial sum of squares, the last program only turns the sums into rstd, and the
+residual add after out_proj applies it (`kernels.norms.add_rms_norm(out_scale=)`). That removes the
+row-wide normalising pass, which one program ran serially after everything else (most of the step's
+time at the Mamba2-2.7B shape).
 """
 from __future__ import annotations
 
@@ -30,7 +38,7 @@ import triton
 import triton.language as tl
 
 from kernels.conv_tree import conv_state_commit_ref, tree_conv1d_ref
-from kernels.norms import gated_rms_norm_ref
+from kernels.norms import gated_rms_norm_deferred_ref, gated_rms_norm_ref
 from kernels.ssm_common import as_int32, heads_per_group, limits, pow2, silu, softplus_clamped
 from kernels.ssm_decode import ssm_chain_update_ref
 
@@ -75,6 +83,23 @@ def mamba_decode_step_ref(
     fp32 (D may be None); norm_weight (d_inner,). `arrivals` is the Triton kernel's workspace
     (unused here). -> (B, d_inner) in the promoted dtype of norm_weight and zxbcdt.
     """
+    y, z = _gated_inputs_ref(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, D, dt_bias, dt_limit)
+    return gated_rms_norm_ref(y, z, norm_weight, norm_group_size, norm_eps, z.dtype)
+
+
+def mamba_decode_step_deferred_norm_ref(
+    zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, D, dt_bias, dt_limit,
+    norm_weight, norm_eps: float, arrivals=None,
+):
+    """PyTorch twin of `mamba_decode_step_deferred_norm`: as `mamba_decode_step_ref` with one norm
+    group, but -> (u (B, d_inner), rstd (B,) fp32) of `gated_rms_norm_deferred_ref`, so that
+    rstd[:, None] * out_proj(u) is out_proj of the normalised step output (up to rounding)."""
+    y, z = _gated_inputs_ref(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, D, dt_bias, dt_limit)
+    return gated_rms_norm_deferred_ref(y, z, norm_weight, norm_eps, z.dtype)
+
+
+def _gated_inputs_ref(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, D, dt_bias, dt_limit):
+    """The step up to the gated norm: advances both states in place -> (y (B, d_inner), z (B, d_inner))."""
     H, P, G, N, W = layout(zxbcdt, ssm_state, conv_weight)
     nb = zxbcdt.shape[0]
     d_inner = H * P
@@ -88,7 +113,7 @@ def mamba_decode_step_ref(
         ssm_state, slot_idx, x.reshape(nb, 1, H, P), dt[:, None], A, Bm.reshape(nb, 1, G, N),
         Cm.reshape(nb, 1, G, N), D, dt_bias, dt_limit,
     )
-    return gated_rms_norm_ref(y.reshape(nb, d_inner), z, norm_weight, norm_group_size, norm_eps, z.dtype)
+    return y.reshape(nb, d_inner), z
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,12 +165,15 @@ def _shift_window(st, ch, ok, new, s_cd, s_cw, W: tl.constexpr):
 @triton.jit
 def _mamba_step_kernel(
     zx_ptr, conv_ptr, cw_ptr, cb_ptr, ssm_ptr, slot_ptr, A_ptr, D_ptr, dtb_ptr, nw_ptr,
-    gate_ptr, part_ptr, arrive_ptr, out_ptr,
+    gate_ptr, part_ptr, arrive_ptr, out_ptr, scale_ptr,
     H, heads_per_group, GN, group_size, n_norm_groups, dt_lo, dt_hi, eps,
     s_zx, s_cs, s_cd, s_cw, s_w, ss_s, ss_h, ss_p, ss_n, s_out,
     P: tl.constexpr, N: tl.constexpr, W: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_CONV_BIAS: tl.constexpr, HAS_D: tl.constexpr, EPI: tl.constexpr, PARTS: tl.constexpr,
+    DEFER_NORM: tl.constexpr,
 ):
+    """DEFER_NORM: write w * gated to out and the row's rstd to scale_ptr (one norm group), instead
+    of normalising the row in the last program."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     pt = tl.program_id(2)
@@ -188,7 +216,12 @@ def _mamba_step_kernel(
     # ---- gate; the norm needs the whole group: hand over the gated values and their sum of squares
     z = tl.load(row + cx, mask=p_ok, other=0.0).to(tl.float32)
     gated = tl.where(p_ok, y * silu(z), 0.0)
-    tl.store(gate_ptr + b64 * DI + cx, gated, mask=p_ok)
+    if DEFER_NORM:  # w * gated, rounded where gated_rms_norm_deferred_ref rounds
+        w_own = tl.load(nw_ptr + cx, mask=p_ok, other=0.0).to(tl.float32)
+        g_own = gated.to(zx_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + b64 * s_out + cx, (w_own * g_own).to(out_ptr.dtype.element_ty), mask=p_ok)
+    else:
+        tl.store(gate_ptr + b64 * DI + cx, gated, mask=p_ok)
     tl.store(part_ptr + b64 * n_prog + h * N_PT + pt, tl.sum(gated * gated, axis=0))
     # all of this program's reads and writes are done (barrier) before its arrival is published
     # (release); the last arriver's acquire makes every program's writes visible to it
@@ -203,7 +236,13 @@ def _mamba_step_kernel(
             _shift_window(st, DI + c, ok, new, s_cd, s_cw, W)
         # gated RMSNorm, group by group; programs never straddle groups (group_size % P == 0)
         per_group = group_size // P * N_PT
-        for j in range(n_norm_groups):
+        if DEFER_NORM:  # one group: only its scale
+            ss = tl.zeros((PARTS,), dtype=tl.float32)
+            for q0 in range(0, per_group, PARTS):
+                q = q0 + tl.arange(0, PARTS)
+                ss += tl.load(part_ptr + b64 * n_prog + q, mask=q < per_group, other=0.0, cache_modifier=".cg")
+            tl.store(scale_ptr + b, tl.rsqrt(tl.sum(ss, axis=0) / group_size + eps))
+        for j in range(0 if DEFER_NORM else n_norm_groups):
             ss = tl.zeros((PARTS,), dtype=tl.float32)
             for q0 in range(0, per_group, PARTS):
                 q = q0 + tl.arange(0, PARTS)
@@ -237,6 +276,25 @@ def mamba_decode_step(
     Slots in `slot_idx` must be distinct except for a scratch slot whose results do not matter
     (padded rows of captured graphs). Needs norm groups of whole heads (`norm_group_size % P == 0`).
     """
+    out, _ = _launch(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, D, dt_bias, dt_limit,
+                     norm_weight, norm_group_size, norm_eps, arrivals, defer_norm=False)
+    return out
+
+
+def mamba_decode_step_deferred_norm(
+    zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, D, dt_bias, dt_limit,
+    norm_weight, norm_eps: float, arrivals=None,
+):
+    """Triton `mamba_decode_step_deferred_norm`: same contract as its `_ref` twin, same conditions as
+    `mamba_decode_step` -> (u (B, d_inner), rstd (B,) fp32)."""
+    d_inner = ssm_state.shape[1] * ssm_state.shape[2]
+    return _launch(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, D, dt_bias, dt_limit,
+                   norm_weight, d_inner, norm_eps, arrivals, defer_norm=True)
+
+
+def _launch(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, D, dt_bias, dt_limit,
+            norm_weight, norm_group_size: int, norm_eps: float, arrivals, defer_norm: bool):
+    """Check, allocate and launch -> (out (B, d_inner), rstd (B,) fp32 when `defer_norm`, else None)."""
     H, P, G, N, W = layout(zxbcdt, ssm_state, conv_weight)
     nb = zxbcdt.shape[0]
     d_inner = H * P
@@ -247,8 +305,9 @@ def mamba_decode_step(
     if W > 1 and conv_state.stride(2) != 1:
         raise ValueError("conv_state must be contiguous along its last axis")
     out = torch.empty(nb, d_inner, dtype=torch.promote_types(norm_weight.dtype, zxbcdt.dtype), device=zxbcdt.device)
+    scale = torch.empty(nb, dtype=torch.float32, device=zxbcdt.device) if defer_norm else None
     if nb == 0:
-        return out
+        return out, scale
     if arrivals is None:
         arrivals = new_arrivals(nb, zxbcdt.device)
     if arrivals.dtype != torch.int32 or arrivals.numel() < nb or not arrivals.is_contiguous():
@@ -259,18 +318,19 @@ def mamba_decode_step(
     bp = max(1, min(pow2(P, 1), STATE_TILE // bn))
     n_prog = H * triton.cdiv(P, bp)
     per_group = norm_group_size // P * triton.cdiv(P, bp)
-    gate = torch.empty(nb, d_inner, dtype=torch.float32, device=zxbcdt.device)
+    # the gated values only travel through memory when the last program normalises them
+    gate = out if defer_norm else torch.empty(nb, d_inner, dtype=torch.float32, device=zxbcdt.device)
     parts = torch.empty(nb, n_prog, dtype=torch.float32, device=zxbcdt.device)
     lo, hi = limits(dt_limit)
     _mamba_step_kernel[(nb, H, triton.cdiv(P, bp))](
         zxbcdt, conv_state, conv_weight, conv_bias if conv_bias is not None else conv_weight, ssm_state,
         as_int32(slot_idx), A, D if D is not None else A, dt_bias if dt_bias is not None else torch.zeros_like(A),
-        norm_weight.contiguous(), gate, parts, arrivals, out,
+        norm_weight.contiguous(), gate, parts, arrivals, out, scale if defer_norm else parts,
         H, heads_per_group(H, G), G * N, norm_group_size, d_inner // norm_group_size, lo, hi, float(norm_eps),
         zxbcdt.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2) if W > 1 else 1,
         conv_weight.stride(0), *ssm_state.stride(), out.stride(0),
         P=P, N=N, W=W, BP=bp, BN=bn, HAS_CONV_BIAS=conv_bias is not None, HAS_D=D is not None,
-        EPI=EPILOGUE_BLOCK, PARTS=min(PARTS_BLOCK, pow2(per_group, 1)),
+        EPI=EPILOGUE_BLOCK, PARTS=min(PARTS_BLOCK, pow2(per_group, 1)), DEFER_NORM=defer_norm,
         num_warps=4,
     )
-    return out
+    return out, scale

@@ -3,6 +3,7 @@ Mamba2 gated RMSNorm. Numerics follow transformers: statistics in fp32, the norm
 to the input's dtype before the weight multiplies it.
 
     add_rms_norm:   h' = h + m * out;   x = weight * rms_norm(h'.to(norm_dtype))
+                    (out first scaled per row when `out_scale` is given: a deferred gated norm's rstd)
     gated_rms_norm: g = y * silu(z);    out = weight * (g / rms(g) over groups).to(out_dtype)
 
 Every rounding step of the PyTorch twins (`m * out` in out's dtype, `h'` in the promoted dtype of
@@ -38,9 +39,12 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, norm_dtype: 
     return weight * x32.to(x.dtype)
 
 
-def add_rms_norm_ref(h, out, weight, eps: float, multiplier: float = 1.0, norm_dtype=None):
+def add_rms_norm_ref(h, out, weight, eps: float, multiplier: float = 1.0, norm_dtype=None, out_scale=None):
     """Block boundary of the residual stream: h (T, d), out (T, d) or None ->
-    (h' = h + multiplier * out, rms_norm_ref(h', weight, eps, norm_dtype)). With `out` None, h' is h."""
+    (h' = h + multiplier * out, rms_norm_ref(h', weight, eps, norm_dtype)). With `out` None, h' is h.
+    `out_scale` (T,) fp32 or None: out is first replaced by (out * out_scale[:, None]) in out's dtype."""
+    if out is not None and out_scale is not None:
+        out = (out.float() * out_scale.float()[:, None]).to(out.dtype)
     if out is not None:
         h = h + (out * multiplier if multiplier != 1.0 else out)
     return h, rms_norm_ref(h, weight, eps, norm_dtype)
@@ -54,6 +58,15 @@ def gated_rms_norm_ref(y, z, weight, group_size: int, eps: float, out_dtype: tor
     g = g.view(T, d // group_size, group_size)
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
     return weight * g.view(T, d).to(out_dtype)
+
+
+def gated_rms_norm_deferred_ref(y, z, weight, eps: float, out_dtype: torch.dtype):
+    """One-group `gated_rms_norm_ref` with the scale left out: y, z (T, d) ->
+    (u = weight * (y * silu(z)).to(out_dtype) (T, d), rstd (T,) fp32), so that for a linear map W,
+    rstd[:, None] * (u @ W.T) equals gated_rms_norm_ref(...) @ W.T up to rounding."""
+    g = y.float() * F.silu(z.float())
+    rstd = torch.rsqrt(g.pow(2).mean(-1) + eps)
+    return weight * g.to(out_dtype), rstd
 
 
 # --------------------------------------------------------------------------------------------
@@ -73,10 +86,10 @@ def round_to(v, KIND: tl.constexpr):
 
 @triton.jit
 def _add_rms_norm_kernel(
-    h_ptr, out_ptr, w_ptr, hn_ptr, x_ptr,
+    h_ptr, out_ptr, scale_ptr, w_ptr, hn_ptr, x_ptr,
     d, mult, eps,
     s_h, s_o, s_hn, s_x,
-    HAS_OUT: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_OUT: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One program per row: the residual add and the norm of the sum, without a round trip through memory."""
     row = tl.program_id(0).to(tl.int64)
@@ -85,6 +98,8 @@ def _add_rms_norm_kernel(
     h = tl.load(h_ptr + row * s_h + c, mask=ok, other=0.0)
     if HAS_OUT:
         o = tl.load(out_ptr + row * s_o + c, mask=ok, other=0.0)
+        if HAS_SCALE:  # a deferred norm's per-row factor, applied in out's dtype first
+            o = (o.to(tl.float32) * tl.load(scale_ptr + row)).to(o.dtype)
         scaled = (o.to(tl.float32) * mult).to(o.dtype)  # `out * m` is a tensor of out's dtype first
         h = (h.to(tl.float32) + scaled.to(tl.float32)).to(hn_ptr.dtype.element_ty)
         tl.store(hn_ptr + row * s_hn + c, h, mask=ok)
@@ -128,8 +143,11 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def add_rms_norm(h, out, weight, eps: float, multiplier: float = 1.0, norm_dtype=None):
-    """Triton twin of `add_rms_norm_ref`: h, out (T, d) -> (h' (T, d), x (T, d)); one program per row."""
+def add_rms_norm(h, out, weight, eps: float, multiplier: float = 1.0, norm_dtype=None, out_scale=None):
+    """Triton twin of `add_rms_norm_ref`: h, out (T, d), out_scale (T,) fp32 or None ->
+    (h' (T, d), x (T, d)); one program per row."""
+    if out_scale is not None and (out is None or out_scale.shape != (h.shape[0],)):
+        raise ValueError(f"out_scale must be ({h.shape[0]},) beside an out, got {tuple(out_scale.shape)}")
     T, d = h.shape
     norm_dtype = norm_dtype or (h.dtype if out is None else torch.promote_types(h.dtype, out.dtype))
     h = _rows(h)
@@ -141,11 +159,13 @@ def add_rms_norm(h, out, weight, eps: float, multiplier: float = 1.0, norm_dtype
         return hn, x
     block, warps = _block(d)
     o = out if out is not None else h
+    scale = out_scale.float().contiguous() if out_scale is not None else o
     _add_rms_norm_kernel[(T,)](
-        h, o, weight.contiguous(), hn, x,
+        h, o, scale, weight.contiguous(), hn, x,
         d, float(multiplier), float(eps),
         h.stride(0), o.stride(0), hn.stride(0), x.stride(0),
-        HAS_OUT=out is not None, NORM=ROUND[norm_dtype], BLOCK=block, num_warps=warps,
+        HAS_OUT=out is not None, HAS_SCALE=out_scale is not None, NORM=ROUND[norm_dtype], BLOCK=block,
+        num_warps=warps,
     )
     return hn, x
 

@@ -20,6 +20,7 @@ _HOME = {
     "ssm_state_commit": "kernels.ssm_commit",
     "ssm_chain_update": "kernels.ssm_decode",
     "mamba_decode_step": "kernels.mamba_decode",
+    "mamba_decode_step_deferred_norm": "kernels.mamba_decode",
     "ssd_prefill": "kernels.ssd_prefill",
     "write_tree_kv": "kernels.tree_attention",
     "tree_attention": "kernels.tree_attention",
@@ -27,6 +28,7 @@ _HOME = {
     "rms_norm": "kernels.norms",
     "add_rms_norm": "kernels.norms",
     "gated_rms_norm": "kernels.norms",
+    "few_rows_linear": "kernels.few_rows_linear",
 }
 
 
@@ -60,6 +62,7 @@ ancestor_bits = _dispatcher("ancestor_bits")
 ssm_state_commit = _dispatcher("ssm_state_commit")
 ssm_chain_update = _dispatcher("ssm_chain_update")
 mamba_decode_step = _dispatcher("mamba_decode_step")
+mamba_decode_step_deferred_norm = _dispatcher("mamba_decode_step_deferred_norm")
 ssd_prefill = _dispatcher("ssd_prefill")
 write_tree_kv = _dispatcher("write_tree_kv")
 tree_attention = _dispatcher("tree_attention")
@@ -67,3 +70,4 @@ kv_commit = _dispatcher("kv_commit")
 rms_norm = _dispatcher("rms_norm")
 add_rms_norm = _dispatcher("add_rms_norm")
 gated_rms_norm = _dispatcher("gated_rms_norm")
+few_rows_linear = _dispatcher("few_rows_linear")

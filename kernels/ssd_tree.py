@@ -276,8 +276,12 @@ def tree_ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, sl
     # (compute-sanitizer); real layers have P, N >= 32 and are unaffected.
     bp = block_p or max(32, min(64, pow2(P)))
     n_prog = nb * (bn // bi) * H
-    if block_p is None and bp > 32 and n_prog * triton.cdiv(P, bp) < 2 * _sm_count(x.device):
-        bp = 32  # small batches: split headdim so more SMs share the state read
+    if block_p is None and bp > 32 and bn == bi and n_prog * triton.cdiv(P, bp) < 2 * _sm_count(x.device):
+        # small batches of one-tile trees: split headdim so more SMs share the state read. Taller
+        # trees keep whole heads: a split repeats every lower block's path sums and decay tile in
+        # both halves, and at 128 nodes whole heads ran in 0.64-0.74x the time (H200 sweep,
+        # bench.ssm_kernels, both layer shapes)
+        bp = 32
     if num_warps is None:
         # Large grids (batches of trees) keep every SM busy with several programs: 4 warps each ran
         # batch-16 64-node trees in 0.67x the time of 8 warps on an H200 (bench.ssm_kernels sweep).

@@ -17,6 +17,7 @@ copied out (nothing when every handle is committed or gone).
 """
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 
@@ -24,6 +25,13 @@ import torch
 
 from models.batch import Packed
 from models.verify import VerifyStash
+
+# Held while a graph is captured. Work another thread of this process launches on the device during a
+# capture breaks it (PyTorch's default stream synchronises with the capturing one), and a broken
+# capture can leave the caching allocator still recording into the graph's pool. Code that runs
+# device work on its own threads next to a model that may capture lazily (the drafter's draft-ahead
+# threads, when drafter and target share a process) holds this lock around that work.
+CAPTURE_LOCK = threading.RLock()
 
 NODE_BUCKETS = (1, 4, 8, 16, 32, 64, 128)
 
@@ -173,14 +181,15 @@ class GraphRunner:
         self._release_stash()
         if not self.capture:
             return _StaticEager(run, meta)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.no_grad():
-            run()  # warm-up: compiles kernels, settles allocations (writes go to the scratch slot)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
-            hidden = run()
+        with CAPTURE_LOCK:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.no_grad():
+                run()  # warm-up: compiles kernels, settles allocations (writes go to the scratch slot)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
+                hidden = run()
         return _Graph(graph, meta, hidden)
 
     def _capture_decode(self, Bb: int):
@@ -213,6 +222,7 @@ class _StashView(VerifyStash):
         for name, t in shared.tensors().items():
             setattr(self, name, t)
         self.rows = shared.rows
+        self.widths = shared.widths
         self.aliased = True
         self._pendings: list[weakref.ref] = []
 

@@ -24,6 +24,7 @@ from models.errors import CheckpointError
 from models.layers.attention import Attention
 from models.layers.mamba import MambaMixer
 from models.layers.mlp import MLP, MoE
+from models.layers.linear import linear
 from models.layers.norms import add_rms_norm, rms_norm
 from models.loading import (
     SafetensorsDir,
@@ -232,7 +233,7 @@ class HybridLM(nn.Module):
         """(T, d_model) -> (T, V) fp32; `weight` (V', d_model): rows of the LM head to use instead
         of all of them (a drafter's trimmed vocabulary) -> (T, V')."""
         weight = self.lm_head_weight if weight is None else weight
-        logits = torch.nn.functional.linear(hidden.to(self.dtype), weight).float()
+        logits = linear(hidden.to(self.dtype), weight).float()
         return logits / self.config.logits_scaling if self.config.logits_scaling != 1.0 else logits
 
     # ---- modes ---------------------------------------------------------------------------------

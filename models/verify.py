@@ -20,8 +20,11 @@ from models.state import StatePool
 class VerifyStash:
     """Per-node commit inputs of one verify call: `T` packed rows.
 
-    xbc (T, n_mamba, conv_dim), x (T, n_mamba, d_inner), B (T, n_mamba, G*N), dt (T, n_mamba, H);
-    k, v (T, n_attn, Hkv, Dh). All in the model dtype.
+    Views: xbc (T, n_mamba, conv_dim), dt (T, n_mamba, H), x (T, n_mamba, d_inner), B (T, n_mamba, G*N);
+    k, v (T, n_attn, Hkv, Dh). All in the model dtype. xbc and dt sit side by side in one buffer, as
+    they do in a layer's in_proj output (z | xBC | dt), and so do x and B in its conv output
+    (x | B | C): a Mamba2 layer stashes with two copies, not four (each copy is a launch, and a
+    verify runs them for every layer).
     """
 
     def __init__(self, pool: StatePool, T: int, dtype: torch.dtype):
@@ -30,21 +33,36 @@ class VerifyStash:
         m, a = pool.mamba, pool.attention
         if pool.n_mamba:
             Lm = pool.n_mamba
-            self.xbc = torch.empty(T, Lm, m.conv_dim, dtype=dtype, device=dev)
-            self.x = torch.empty(T, Lm, m.d_inner, dtype=dtype, device=dev)
-            self.B = torch.empty(T, Lm, m.n_groups * m.d_state, dtype=dtype, device=dev)
-            self.dt = torch.empty(T, Lm, m.n_heads, dtype=dtype, device=dev)
+            self.xbc_dt = torch.empty(T, Lm, m.conv_dim + m.n_heads, dtype=dtype, device=dev)
+            self.xB = torch.empty(T, Lm, m.d_inner + m.n_groups * m.d_state, dtype=dtype, device=dev)
+        self.widths = (m.conv_dim, m.d_inner) if pool.n_mamba else (0, 0)  # where the buffers split
         if pool.n_attn:
             self.k = torch.empty(T, pool.n_attn, a.n_kv_heads, a.head_dim, dtype=dtype, device=dev)
             self.v = torch.empty_like(self.k)
 
-    def put_mamba(self, layer: int, xbc, x, B, dt) -> None:
-        """xbc (T, conv_dim), x (T, H, P), B (T, G, N), dt (T, H) of Mamba2 block number `layer`."""
-        T = xbc.shape[0]
-        self.xbc[:T, layer].copy_(xbc)
-        self.x[:T, layer].copy_(x.reshape(T, -1))
-        self.B[:T, layer].copy_(B.reshape(T, -1))
-        self.dt[:T, layer].copy_(dt)
+    # the commit's inputs, as views of the two Mamba2 buffers
+    @property
+    def xbc(self) -> torch.Tensor:
+        return self.xbc_dt[..., : self.widths[0]]
+
+    @property
+    def dt(self) -> torch.Tensor:
+        return self.xbc_dt[..., self.widths[0]:]
+
+    @property
+    def x(self) -> torch.Tensor:
+        return self.xB[..., : self.widths[1]]
+
+    @property
+    def B(self) -> torch.Tensor:
+        return self.xB[..., self.widths[1]:]
+
+    def put_mamba(self, layer: int, xbc_dt, xB) -> None:
+        """Mamba2 block number `layer`: xbc_dt (T, conv_dim + H) = in_proj's xBC | dt columns,
+        xB (T, d_inner + G*N) = the conv output's x | B columns."""
+        T = xbc_dt.shape[0]
+        self.xbc_dt[:T, layer].copy_(xbc_dt)
+        self.xB[:T, layer].copy_(xB)
 
     def put_attention(self, layer: int, k, v) -> None:
         """k, v (T, Hkv, Dh) of attention block number `layer`."""
@@ -53,7 +71,8 @@ class VerifyStash:
         self.v[:T, layer].copy_(v)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {n: getattr(self, n) for n in ("xbc", "x", "B", "dt", "k", "v") if hasattr(self, n)}
+        """The buffers themselves (xbc, dt, x and B are views of the first two)."""
+        return {n: getattr(self, n) for n in ("xbc_dt", "xB", "k", "v") if n in self.__dict__}
 
     def attach(self, pendings) -> None:
         """Told which handles refer to it (graph stashes track them; a private stash needs not)."""

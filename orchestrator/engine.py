@@ -3,7 +3,9 @@
 One step, for every active request at once:
   1. take the next tree of each request from the drafter (waiting at most `draft_timeout_s`; a
      request without a tree this step verifies a one-node tree: plain decoding);
-  2. one batched Verify RPC; each item carries the commit of its request's previous step;
+  2. one batched Verify for the whole batch, sent over the engine's VerifyStream (one
+     long-lived stream, cheaper per step than a unary call; unary Verify for a verifier that
+     has no VerifyStream); each item carries the commit of its request's previous step;
   3. acceptance (`steps.accept`), which extends the committed-token log;
   4. ask the drafter for the next trees (the outcome lets it reuse its work), with a budget from
      the adaptive policy;
@@ -13,9 +15,9 @@ The loop runs in its own thread and owns every RequestState; other threads only 
 through `_inbox` (submit, adopt, cancel) and read the outbox.
 
 Failures: a verifier item that lost its sequence (restart, idle expiry) is re-prefilled from the
-log; a failed Verify call marks the replica down, offers the requests to other replicas through
-`Hooks.replica_down`, and re-prefills the rest once the replica answers again. The drafter is
-never needed for correctness (see draft_link).
+log; a failed Verify call or stream (the next step opens a new stream) marks the replica down,
+offers the requests to other replicas through `Hooks.replica_down`, and re-prefills the rest once
+the replica answers again. The drafter is never needed for correctness (see draft_link).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from orchestrator.request import CANCELLED, Event, RequestSpec, RequestState
 from orchestrator.steps import accept, advance, fit_tree, in_original, take_output, tree_limits
 from treeserve.acceptance import Outcome
 from treeserve.server import channel as make_channel
+from treeserve.stream_session import StreamSession
 from treeserve.tree import TokenTree, tree_to_proto
 from treeserve.v1 import treeserve_pb2 as pb
 from treeserve.v1 import treeserve_pb2_grpc as pbg
@@ -56,7 +59,7 @@ class EngineConfig:
     name: str = ""
     service_token: Optional[str] = None
     draft_timeout_s: float = 1.0  # longest wait for a tree before verifying a one-node tree
-    verify_timeout_s: float = 120.0
+    verify_timeout_s: float = 120.0  # longest wait for a step's Verify answer (and for a Prefill)
     replica_timeout_s: float = 60.0  # fail requests whose replica stays down this long
     connect_timeout_s: float = 60.0  # how long a new engine waits for its verifier to answer
 
@@ -126,6 +129,7 @@ class Engine:
         self.name = config.name or f"engine:{config.verifier}"
         self.hooks = hooks or Hooks()
         self._channel = None
+        self._stream: Optional[StreamSession] = None  # VerifyStream; None: the verifier has none
         self._stub = self._connect(config.connect_timeout_s)
         self.info = VerifierInfo.from_proto(self._stub.Stats(pb.StatsRequest(), timeout=10.0))
         self.eos = frozenset(self.info.eos_token_ids)
@@ -157,6 +161,8 @@ class Engine:
         self._stop.set()
         self._inbox.put(("wake",))
         self._thread.join(timeout=10)
+        if self._stream is not None:
+            self._stream.close()
         if self.link is not None:
             self.link.shutdown()
         self._background.shutdown(wait=False)
@@ -200,7 +206,9 @@ class Engine:
         a, c = self.cost.fit()
         out = {"name": self.name, "verifier": self.config.verifier, "load": self._count, "steps": self.steps,
                "down": self._down_since is not None, "forward_ms_intercept": a, "forward_ms_per_node": c,
-               "acceptance": dict(self.shared.tau), "info": self.info.__dict__}
+               "acceptance": dict(self.shared.tau), "info": self.info.__dict__,
+               # what steps are sent with: VerifyStream until the verifier says it has none
+               "verify_rpc": "Verify" if self._stream is None else "VerifyStream"}
         if self.link is not None:
             out["drafter"] = {"up": self.link.up, **self.link.stats.__dict__}
         return out
@@ -263,7 +271,7 @@ class Engine:
                 item.commit.CopyFrom(pb.Commit(committed_length=length, accepted_nodes=path))
             items.append(item)
         try:
-            resp = self._stub.Verify(pb.VerifyRequest(items=items), timeout=self.config.verify_timeout_s)
+            resp = self._verify(pb.VerifyRequest(items=items))
         except grpc.RpcError as exc:
             self._verifier_failed(batch, exc)
             return
@@ -300,6 +308,22 @@ class Engine:
             self._emit([r.next_event(tokens=tuple(out), tree_nodes=r.last_nodes, step_ms=step_ms, finish=finish)], r)
             if finish is not None:
                 self._finish(r)
+
+    def _verify(self, request):
+        """One step's Verify, over the stream when the verifier has VerifyStream. A failed stream
+        raises its RpcError like a failed call (the session opens a new stream on the next step);
+        an older verifier answers UNIMPLEMENTED, and the engine then sends unary Verify calls until
+        it reconnects (`_connect`, when it asks again)."""
+        if self._stream is not None:
+            try:
+                return self._stream.send(request)  # within verify_timeout_s, the session's timeout
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+            log.info("%s: verifier %s has no VerifyStream: unary Verify calls", self.name, self.config.verifier)
+            self._stream.close()
+            self._stream = None
+        return self._stub.Verify(request, timeout=self.config.verify_timeout_s)
 
     def _gather_trees(self, batch: list[RequestState]) -> list[TokenTree]:
         expect = {r.request_id: r.committed for r in batch if r.awaiting_draft}
@@ -455,7 +479,8 @@ class Engine:
 
     def _connect(self, timeout: float):
         """A fresh channel: after a restart it connects at once instead of waiting out gRPC's
-        reconnect backoff on the old one."""
+        reconnect backoff on the old one. The Verify stream goes with the old channel; the next
+        step opens one on the new (and so asks a restarted verifier again for VerifyStream)."""
         deadline = time.monotonic() + timeout
         while True:
             channel = make_channel(self.config.verifier, self.config.service_token)
@@ -466,10 +491,13 @@ class Engine:
                 channel.close()
                 if time.monotonic() >= deadline:
                     raise
+        if self._stream is not None:
+            self._stream.close()
         if self._channel is not None:
             self._channel.close()
         self._channel = channel
         self._stub = pbg.VerifierStub(channel)
+        self._stream = StreamSession(self._stub.VerifyStream, timeout=self.config.verify_timeout_s)
         return self._stub
 
     # ---- endings ------------------------------------------------------------------------

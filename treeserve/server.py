@@ -8,7 +8,7 @@ import logging
 import signal
 import threading
 from concurrent import futures
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,25 +23,18 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 GRACE_SECONDS = 5.0
 
 
-def grpc_errors(method: Callable) -> Callable:
-    """Servicer-method decorator: exceptions become gRPC statuses (ServeError -> its code,
-    TreeError -> INVALID_ARGUMENT, anything else -> INTERNAL, logged). Works for unary and
-    streaming (generator) methods."""
-
-    def _abort(context, exc):
-        code, message = status_of(exc)
-        if code == grpc.StatusCode.INTERNAL:
-            log.exception("%s failed", method.__qualname__)
-        context.abort(code, message)
-
+def on_error(method: Callable, handle: Callable) -> Callable:
+    """Wrap a servicer method so that an exception it raises goes to `handle(context, exc)`, for
+    unary methods and for streaming (generator) ones alike, whose exceptions surface while gRPC
+    iterates their responses. The one place that knows the two shapes of a handler."""
     if inspect.isgeneratorfunction(method):
 
         @functools.wraps(method)
         def stream(self, request, context):
             try:
                 yield from method(self, request, context)
-            except Exception as exc:  # noqa: BLE001 - the boundary: every error becomes a status
-                _abort(context, exc)
+            except Exception as exc:  # noqa: BLE001 - handed on
+                handle(context, exc)
 
         return stream
 
@@ -49,30 +42,66 @@ def grpc_errors(method: Callable) -> Callable:
     def unary(self, request, context):
         try:
             return method(self, request, context)
-        except Exception as exc:  # noqa: BLE001
-            _abort(context, exc)
+        except Exception as exc:  # noqa: BLE001 - handed on
+            return handle(context, exc)
 
     return unary
 
 
+def grpc_errors(method: Callable) -> Callable:
+    """Servicer-method decorator: exceptions become gRPC statuses (ServeError -> its code,
+    TreeError -> INVALID_ARGUMENT, anything else -> INTERNAL, logged). Works for unary and
+    streaming (generator) methods; a stream's status ends the stream."""
+
+    def abort(context, exc):
+        code, message = status_of(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("%s failed", method.__qualname__)
+        context.abort(code, message)
+
+    return on_error(method, abort)
+
+
+def client_requests(request_iterator: Iterable) -> Iterator:
+    """A streaming handler's requests until the client half-closes or cancels the stream. A
+    cancel is how a client ends a long-lived stream (shutdown, reconnect, its own timeout), not a
+    failure of the service, so it ends the handler quietly instead of reaching `grpc_errors`."""
+    try:
+        yield from request_iterator
+    except grpc.RpcError:
+        return
+
+
 class BearerTokenAuth(grpc.ServerInterceptor):
-    """Refuse calls without `authorization: Bearer <token>` (UNAUTHENTICATED). Health checks pass."""
+    """Refuse calls without `authorization: Bearer <token>` (UNAUTHENTICATED). Health checks pass.
+
+    The refusal has the kind of the method it stands in for: gRPC drives a handler by its kind, and
+    a unary refusal of a streaming method first waits for a request message, which a client that
+    reads before it writes never sends (its call would hang until its deadline)."""
 
     def __init__(self, token: str):
         self._token = token
 
-        def deny(request, context):
+        def deny(request_or_iterator, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny = {  # (request_streaming, response_streaming) -> refusal
+            (False, False): grpc.unary_unary_rpc_method_handler(deny),
+            (False, True): grpc.unary_stream_rpc_method_handler(deny),
+            (True, False): grpc.stream_unary_rpc_method_handler(deny),
+            (True, True): grpc.stream_stream_rpc_method_handler(deny),
+        }
 
     def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
         if handler_call_details.method.startswith("/grpc.health."):
-            return continuation(handler_call_details)
+            return handler
         meta = dict(handler_call_details.invocation_metadata or ())
-        if meta.get("authorization") != f"Bearer {self._token}":
-            return self._deny
-        return continuation(handler_call_details)
+        if meta.get("authorization") == f"Bearer {self._token}":
+            return handler
+        if handler is None:  # an unknown method: refused like any other, its absence not revealed
+            return self._deny[False, False]
+        return self._deny[handler.request_streaming, handler.response_streaming]
 
 
 class Server:

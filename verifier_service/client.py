@@ -1,5 +1,7 @@
 """A small typed client of the Verifier service. Call failures surface as grpc.RpcError unchanged;
-per-item failures of Verify come back as `ItemResult.error`."""
+per-item failures of Verify come back as `ItemResult.error`. `VerifierClient.verify_stream()`
+opens Verify over one long-lived VerifyStream (`treeserve.stream_session`): one request/response
+pair at a time, with a deadline per message."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,6 +12,7 @@ import grpc
 from treeserve.acceptance import Outcome
 from treeserve.sampling import Sampling
 from treeserve.server import channel as make_channel
+from treeserve.stream_session import StreamSession
 from treeserve.tree import TokenTree, tree_to_proto
 from treeserve.v1 import treeserve_pb2 as pb
 from treeserve.v1 import treeserve_pb2_grpc as pbg
@@ -125,6 +128,12 @@ class VerifierClient:
     def verify_raw(self, request, timeout: float | None = None):
         """Send a prepared pb.VerifyRequest; returns the pb.VerifyResponse."""
         return self._stub.Verify(request, timeout=self._t(timeout))
+
+    def verify_stream(self, timeout: float | None = None) -> StreamSession:
+        """Verify over one long-lived VerifyStream: `send(pb.VerifyRequest) -> pb.VerifyResponse`,
+        `close()`, a context manager. `timeout`: the deadline of each response (default: the
+        client's); see StreamSession for what a failure does to the stream."""
+        return StreamSession(self._stub.VerifyStream, self._t(timeout))
 
     def verify(self, items: Sequence[VerifyItem], timeout: float | None = None) -> VerifyReply:
         r = self.verify_raw(pb.VerifyRequest(items=[it.to_proto() for it in items]), timeout)

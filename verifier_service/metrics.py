@@ -14,11 +14,13 @@ _STAGE_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 1
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
-# A Verify call on the server, in order: decode (protobuf -> validated work), queue (hand-off until
-# its forward begins: waiting behind other work or in the batching window), forward (commits +
-# forward + per-node results), engine (the rest of its batches: checks, bookkeeping), handback
-# (reply ready until the RPC thread has it; 0 when the RPC thread ran the model), encode (reply ->
-# protobuf); total is the handler from start to end. What a client sees beyond total is gRPC.
+# A Verify call on the server, or one request/response pair of a VerifyStream (counted as a call),
+# in order: decode (protobuf -> validated work), queue (hand-off until its forward begins: waiting
+# behind other work or in the batching window), forward (commits + forward + per-node results),
+# engine (the rest of its batches: checks, bookkeeping), handback (reply ready until the RPC thread
+# has it; 0 when the RPC thread ran the model), encode (reply -> protobuf); total is the handler
+# from start to end (for a stream message: from its arrival in the handler to its response being
+# ready). What a client sees beyond total is gRPC. Recorded once the reply went out.
 CALL_STAGES = ("decode", "queue", "forward", "engine", "handback", "encode", "total")
 
 
@@ -33,8 +35,8 @@ class VerifierMetrics:
         self.batch_nodes = Histogram(p + "batch_nodes", "Tree nodes per verification forward", buckets=_COUNT_BUCKETS)
         self.forward_ms = Histogram(p + "forward_ms", "Commit + forward + per-node results, milliseconds", buckets=_MS_BUCKETS)
         # where a Verify call's time goes on the server, stage by stage (see CALL_STAGES)
-        self.call_ms = Histogram(p + "call_ms", "Verify call time on the server by stage, milliseconds", ["stage"],
-                                 buckets=_STAGE_BUCKETS)
+        self.call_ms = Histogram(p + "call_ms", "Verify call (or stream message) time on the server by stage, "
+                                 "milliseconds", ["stage"], buckets=_STAGE_BUCKETS)
         self._stage = {s: self.call_ms.labels(stage=s) for s in CALL_STAGES}
         self.inline_calls = Counter(p + "inline_calls", "Verify calls that found the model free and ran it themselves")
         self.errors = Counter(p + "errors", "Failed calls and failed batch items, by gRPC status code", ["code"])
@@ -42,7 +44,7 @@ class VerifierMetrics:
         self.expired = Counter(p + "idle_expired", "Sequences released by the idle sweep")
 
     def call(self, stages: dict[str, float]) -> None:
-        """Record one Verify call: milliseconds by stage (keys from CALL_STAGES)."""
+        """Record one Verify call or stream message: milliseconds by stage (keys from CALL_STAGES)."""
         for name, ms in stages.items():
             self._stage[name].observe(ms)
 

@@ -1,10 +1,15 @@
 """The Verifier gRPC service: decode and check requests at the edge, hand the work to the batcher
 (which runs it on this RPC thread when the model is free), encode the answers, and report where a
 Verify call's time went (metrics, recorded after the reply is sent). Nothing here touches the
-model directly."""
+model directly.
+
+Verify and VerifyStream share one request path (`_verify`); they differ only in how a request
+arrives, how a malformed one ends the call (a status for the call, or for the whole stream) and
+when the metrics are recorded."""
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from dataclasses import dataclass
 
@@ -12,7 +17,7 @@ import grpc
 
 from treeserve.errors import InvalidArgument, ServeError, item_error, status_of
 from treeserve.sampling import Sampling
-from treeserve.server import Server, grpc_errors
+from treeserve.server import Server, client_requests, grpc_errors, on_error
 from treeserve.tree import TreeError, tree_from_proto
 from treeserve.v1 import treeserve_pb2 as pb
 from treeserve.v1 import treeserve_pb2_grpc as pbg
@@ -28,17 +33,14 @@ class DeadlineExceeded(ServeError):
 
 
 def _counted(method):
-    """Count a failed call under its status code (the grpc_errors boundary then reports it)."""
+    """Count a failed call, or a failed stream, under its status code (the grpc_errors boundary
+    then reports it)."""
 
-    @functools.wraps(method)
-    def call(self, request, context):
-        try:
-            return method(self, request, context)
-        except Exception as exc:
-            metrics().error(status_of(exc)[0])
-            raise
+    def count(context, exc):
+        metrics().error(status_of(exc)[0])
+        raise exc
 
-    return call
+    return on_error(method, count)
 
 
 def after_reply(context, fn) -> None:
@@ -83,10 +85,16 @@ class VerifierServicer(pbg.VerifierServicer):
     def _wait(self, future, context):
         """The future's result within the call's deadline. A call that ran the model on its own
         thread (the model was free) comes here with the result in hand, after its deadline if
-        the forward outlasted it; gRPC then reports DEADLINE_EXCEEDED to the caller."""
+        the forward outlasted it; gRPC then reports DEADLINE_EXCEEDED to the caller.
+
+        A call without a deadline, such as a VerifyStream opened without one (its messages have
+        none of their own), waits for the result: the work cannot hang on a caller that left,
+        because the batcher drops queued work whose call is no longer active (`alive`)."""
         remaining = context.time_remaining()
+        # gRPC reports "no deadline" as ~292 billion years, more than a lock wait accepts
+        timeout = remaining if remaining < threading.TIMEOUT_MAX else None
         try:
-            return future.result(timeout=remaining)
+            return future.result(timeout=timeout)
         except TimeoutError as exc:
             raise DeadlineExceeded("deadline passed while waiting for the model") from exc
 
@@ -147,6 +155,31 @@ class VerifierServicer(pbg.VerifierServicer):
     @grpc_errors
     @_counted
     def Verify(self, request, context):
+        response, record = self._verify(request, context)
+        after_reply(context, record)
+        return response
+
+    @grpc_errors
+    @_counted
+    def VerifyStream(self, request_iterator, context):
+        """One response per request, in order. A request malformed as a whole raises out of the
+        loop, and the boundary ends the stream with its status. Messages have no deadline of their
+        own (`_wait` then waits for the result); a cancelled stream stops its queued work through
+        `context.is_active`, as a cancelled call does."""
+        for request in client_requests(request_iterator):
+            response, record = self._verify(request, context)
+            try:
+                yield response
+            finally:
+                # gRPC resumes a response generator only once the message went out (or closes it
+                # when the stream ended first), so this is "after the reply", as for Verify; the
+                # client is by then busy with the answer, not waiting on this thread.
+                record()
+
+    def _verify(self, request, context):
+        """Decode, verify and encode one VerifyRequest. Returns the VerifyResponse and a callable
+        that records the request's time split by stage (metrics), for the caller to run once the
+        response is on its way. Raises ServeError when the request is malformed as a whole."""
         t_start = time.perf_counter()
         ids = [it.sequence_id for it in request.items]
         if len(set(ids)) != len(ids):
@@ -176,8 +209,7 @@ class VerifierServicer(pbg.VerifierServicer):
             "encode": (t_end - t_back) * 1e3,
             "total": (t_end - t_start) * 1e3,
         }
-        after_reply(context, lambda: self._record(stages, timing.inline))
-        return resp
+        return resp, functools.partial(self._record, stages, timing.inline)
 
     @staticmethod
     def _encode(request, reply, outputs: dict, errors: dict):

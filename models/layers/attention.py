@@ -14,6 +14,7 @@ from kernels import ops
 from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from models.batch import Packed
 from models.config import AttentionSpec
+from models.layers.linear import Linear
 from models.state import StatePool
 
 
@@ -24,8 +25,8 @@ class Attention(nn.Module):
         self.layer = layer
         kw = dict(dtype=dtype, device=device)
         q, kv = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
-        self.qkv_proj = nn.Linear(d_model, q + 2 * kv, bias=spec.qkv_bias, **kw)
-        self.o_proj = nn.Linear(q, d_model, bias=spec.out_bias, **kw)
+        self.qkv_proj = Linear(d_model, q + 2 * kv, bias=spec.qkv_bias, **kw)
+        self.o_proj = Linear(q, d_model, bias=spec.out_bias, **kw)
         if spec.rotary_dim:
             self.register_buffer("inv_freq", rope_inv_freq(spec.rotary_dim, spec.rope_theta, device), persistent=False)
 

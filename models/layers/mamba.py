@@ -13,7 +13,8 @@ from torch import nn
 from kernels import ops
 from models.batch import Packed
 from models.config import MambaSpec
-from models.layers.norms import gated_rms_norm
+from models.layers.linear import Linear
+from models.layers.norms import RowScaled, gated_rms_norm
 from models.state import StatePool
 
 MAX_DECODE_ROWS = 4096  # largest decode batch (sequences per step)
@@ -25,7 +26,7 @@ class MambaMixer(nn.Module):
         self.spec = spec
         self.layer = layer
         kw = dict(dtype=dtype, device=device)
-        self.in_proj = nn.Linear(d_model, spec.in_proj_dim, bias=spec.proj_bias, **kw)
+        self.in_proj = Linear(d_model, spec.in_proj_dim, bias=spec.proj_bias, **kw)
         self.conv_weight = nn.Parameter(torch.empty(spec.conv_dim, spec.d_conv, **kw))
         self.conv_bias = nn.Parameter(torch.empty(spec.conv_dim, **kw)) if spec.conv_bias else None
         f32 = dict(dtype=torch.float32, device=device)
@@ -33,11 +34,14 @@ class MambaMixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(spec.n_heads, **f32))
         self.D = nn.Parameter(torch.empty(spec.n_heads, **f32))
         self.norm_weight = nn.Parameter(torch.empty(spec.d_inner, **kw))
-        self.out_proj = nn.Linear(spec.d_inner, d_model, bias=spec.proj_bias, **kw)
+        self.out_proj = Linear(spec.d_inner, d_model, bias=spec.proj_bias, **kw)
         self.register_buffer("A", torch.empty(spec.n_heads, **f32), persistent=False)
         # the fused decode step's per-row arrival counters (left at zero by every launch)
         rows = torch.zeros(MAX_DECODE_ROWS, dtype=torch.int32, device=device)
         self.register_buffer("arrivals", rows, persistent=False)
+        # a gated norm over the whole row, followed by a bias-free out_proj, is one factor per row
+        # that decode leaves to the residual add after out_proj (kernels/mamba_decode.py)
+        self.decode_defers_norm = spec.norm_group_size == spec.d_inner and not spec.proj_bias
 
     def prepare(self) -> None:
         """Derive constants once the weights are loaded."""
@@ -91,22 +95,27 @@ class MambaMixer(nn.Module):
             ys.append(y)
         return self._finish(torch.cat(ys, 0), z)
 
-    def decode(self, h: torch.Tensor, batch: Packed, pool: StatePool) -> torch.Tensor:
-        """h (B, d_model), one token per sequence -> (B, d_model); advances conv and SSM state.
+    def decode(self, h: torch.Tensor, batch: Packed, pool: StatePool) -> torch.Tensor | RowScaled:
+        """h (B, d_model), one token per sequence -> (B, d_model), or RowScaled((B, d_model), (B,)) when
+        the gated norm's scale is deferred; advances conv and SSM state.
 
         Everything between the projections (conv, state updates, SSM, gated norm) is one fused step."""
         s = self.spec
-        g = ops.mamba_decode_step(
+        common = (
             self.in_proj(h), pool.conv_layer(self.layer), pool.ssm_layer(self.layer), batch.slot_idx,
-            self.conv_weight, self.conv_bias, self.A, self.D, self.dt_bias, s.dt_limit,
-            self.norm_weight, s.norm_group_size, s.norm_eps, arrivals=self.arrivals,
+            self.conv_weight, self.conv_bias, self.A, self.D, self.dt_bias, s.dt_limit, self.norm_weight,
         )
+        if self.decode_defers_norm:
+            u, rstd = ops.mamba_decode_step_deferred_norm(*common, s.norm_eps, arrivals=self.arrivals)
+            return RowScaled(self.out_proj(u), rstd)
+        g = ops.mamba_decode_step(*common, s.norm_group_size, s.norm_eps, arrivals=self.arrivals)
         return self.out_proj(g)
 
     def verify(self, h: torch.Tensor, batch: Packed, pool: StatePool, stash) -> torch.Tensor:
         """h (T, d_model) packed tree nodes -> (T, d_model); state untouched, commit data stashed."""
         s = self.spec
-        z, xbc, dt = self._project(h)
+        zxbcdt = self.in_proj(h)
+        z, xbc, dt = zxbcdt.split([s.d_inner, s.conv_dim, s.n_heads], dim=-1)
         conv_out = ops.tree_conv1d(
             xbc, self.conv_weight, self.conv_bias, pool.conv_layer(self.layer),
             batch.parents, batch.cu_seqlens, batch.slot_idx, batch.max_nodes,
@@ -117,5 +126,6 @@ class MambaMixer(nn.Module):
             batch.parents, batch.cu_seqlens, batch.slot_idx, batch.max_nodes, s.dt_limit,
             ancestors=batch.ancestors(),  # built once per forward, shared by every Mamba layer
         )
-        stash.put_mamba(self.layer, xbc=xbc, x=x, B=B, dt=dt)
+        # xBC | dt and x | B are adjacent columns: two copies for the four commit inputs
+        stash.put_mamba(self.layer, zxbcdt[:, s.d_inner:], conv_out[:, : s.d_inner + s.n_groups * s.d_state])
         return self._finish(y, z)

@@ -7,6 +7,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from models.config import MLPSpec, MoESpec
+from models.layers.linear import Linear
 
 
 class MLP(nn.Module):
@@ -18,10 +19,10 @@ class MLP(nn.Module):
         I = spec.intermediate
         kw = dict(dtype=dtype, device=device)
         if spec.gated:
-            self.gate_up_proj = nn.Linear(d_model, 2 * I, bias=spec.bias, **kw)
+            self.gate_up_proj = Linear(d_model, 2 * I, bias=spec.bias, **kw)
         else:
-            self.up_proj = nn.Linear(d_model, I, bias=spec.bias, **kw)
-        self.down_proj = nn.Linear(I, d_model, bias=spec.bias, **kw)
+            self.up_proj = Linear(d_model, I, bias=spec.bias, **kw)
+        self.down_proj = Linear(I, d_model, bias=spec.bias, **kw)
         self.act = ACT2FN[spec.act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

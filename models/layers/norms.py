@@ -2,9 +2,19 @@
 as transformers does. One kernel each on CUDA (`kernels.norms`), their PyTorch twins elsewhere."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kernels import ops
+
+
+class RowScaled(NamedTuple):
+    """A block output whose rows still need a factor: value (T, d) * scale (T,) fp32[:, None]. A Mamba2
+    decode step returns this when it leaves its gated norm's scale to the next residual add."""
+
+    value: torch.Tensor
+    scale: torch.Tensor
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, norm_dtype: torch.dtype | None = None):
@@ -14,8 +24,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, norm_dtype: torc
 
 
 def add_rms_norm(h, out, weight, eps: float, multiplier: float = 1.0, norm_dtype=None):
-    """The residual stream at a block boundary: h (T, d), the block's output out (T, d) ->
+    """The residual stream at a block boundary: h (T, d), the block's output out (T, d) or RowScaled ->
     (h + multiplier * out, rms_norm(that, weight, eps, norm_dtype))."""
+    if isinstance(out, RowScaled):
+        return ops.add_rms_norm(h, out.value, weight, eps, multiplier, norm_dtype, out_scale=out.scale)
     return ops.add_rms_norm(h, out, weight, eps, multiplier, norm_dtype)
 
 

@@ -133,3 +133,22 @@ def test_forks_stay_within_their_slot_budget(draft_model, prompt):
         draft_model.fork_slots = None
         d.close()
     assert not draft_model._forks
+
+
+def test_ahead_work_waits_for_a_graph_capture(draft_model, prompt):
+    """While a model in this process captures a CUDA graph (it holds models.graphs.CAPTURE_LOCK), no
+    draft-ahead work may launch device work: it would break the capture. Holding the lock here must
+    stall the worker, and releasing it lets the round finish."""
+    from models.graphs import CAPTURE_LOCK
+
+    d = Drafter(draft_model, Options("dynamic", 8, 3, True), ahead=AheadConfig(trees=2))
+    try:
+        d.start("c", prompt)
+        with CAPTURE_LOCK:
+            d.draft(DraftCall("c", len(prompt), (), 5))  # the foreground call runs on this thread
+            assert not d.wait_idle(0.5), "draft-ahead ran while a capture held the lock"
+            assert not d._seqs["c"].round.finalised
+        assert d.wait_idle(60)
+        assert d._seqs["c"].round.finalised
+    finally:
+        d.close()

@@ -53,11 +53,14 @@ def test_message_round_trip(name):
 
 def test_services_declared():
     services = {s.name: [m.name for m in s.methods] for s in pb.DESCRIPTOR.services_by_name.values()}
-    assert services["Verifier"] == ["Prefill", "Verify", "Commit", "Release", "Stats"]
+    assert services["Verifier"] == ["Prefill", "Verify", "VerifyStream", "Commit", "Release", "Stats"]
     assert services["Drafter"] == ["StartSequence", "EndSequence", "Speculate", "Stats"]
     assert services["Generation"] == ["Generate", "Cancel"]
     speculate = pb.DESCRIPTOR.services_by_name["Drafter"].methods_by_name["Speculate"]
     assert speculate.client_streaming and speculate.server_streaming
+    verify_stream = pb.DESCRIPTOR.services_by_name["Verifier"].methods_by_name["VerifyStream"]
+    assert verify_stream.client_streaming and verify_stream.server_streaming
+    assert verify_stream.input_type.name == "VerifyRequest" and verify_stream.output_type.name == "VerifyResponse"
     assert pb.DESCRIPTOR.services_by_name["Generation"].methods_by_name["Generate"].server_streaming
 
 

@@ -14,10 +14,15 @@ import pytest
 import torch
 
 from kernels import norms, ops
-from kernels.mamba_decode import mamba_decode_step, mamba_decode_step_ref
+from kernels.mamba_decode import (
+    mamba_decode_step,
+    mamba_decode_step_deferred_norm,
+    mamba_decode_step_deferred_norm_ref,
+    mamba_decode_step_ref,
+)
 from tests.gpu.marks import compiled_triton, gpu  # noqa: F401 (fixture)
 from tests.kernels.ssm_oracle import assert_close, on, untouched_slots
-from tests.kernels.test_mamba_decode import oracle, step_case
+from tests.kernels.test_mamba_decode import deferred_args, oracle, step_case
 
 # (H, P, N, G, norm groups): Mamba2-2.7B; the 8B hybrid of bench.model_runtime (Bamba, ungrouped
 # norm); a NemotronH-style layer whose gated norm works by groups
@@ -121,6 +126,37 @@ def test_many_steps_at_large_batch_with_padded_rows(shape):
         ssm[:real] = r_ssm[:real]  # no drift between the two
 
 
+UNGROUPED = [shape for shape, (*_, ng) in SHAPES.items() if ng == 1]
+
+
+@gpu
+@pytest.mark.parametrize("shape", UNGROUPED)
+@pytest.mark.parametrize("nb", [1, 16, 128])
+def test_deferred_norm_step(shape, nb):
+    """The deferred-norm variant: the same states as the normalising step, u equal to its twin,
+    rstd within fp32 summation order, and u * rstd the normalised output; repeated steps at large
+    batch for the last program's rstd hand-off."""
+    args = case(shape, nb, seed=nb + 7)
+    arrivals = torch.zeros(nb, dtype=torch.int32, device=DEV)
+    for step in range(STEPS if nb == NB_LARGE else 3):
+        a = {**args, "conv_state": args["conv_state"].clone(), "ssm_state": args["ssm_state"].clone()}
+        r = {**args, "conv_state": args["conv_state"].clone(), "ssm_state": args["ssm_state"].clone()}
+        update = update_size(args)
+        out = mamba_decode_step(**args, arrivals=arrivals)  # advances args' pools
+        u, rstd = mamba_decode_step_deferred_norm(**deferred_args(a), arrivals=arrivals)
+        u_ref, rstd_ref = mamba_decode_step_deferred_norm_ref(**deferred_args(r))
+        assert not arrivals.any(), f"step {step}: counters"
+        assert torch.equal(a["conv_state"], args["conv_state"]), f"step {step}: conv state"
+        assert torch.equal(a["ssm_state"], args["ssm_state"]), f"step {step}: ssm state vs normalising step"
+        assert_state_close(a["ssm_state"], r["ssm_state"], update, f"step {step}: ssm state vs twin")
+        assert_close(u, u_ref, BF16_TOL, f"step {step}: u")
+        # rstd sums squares of bf16-rounded y: y landing on the other bf16 neighbour (up to 2^-7
+        # relative) at a dominant element moves the sum by up to 2^-6 and rstd by up to 2^-7
+        torch.testing.assert_close(rstd, rstd_ref, rtol=8e-3, atol=0)
+        assert_close(u.float() * rstd[:, None], out.float(), BF16_TOL, f"step {step}: u * rstd vs normalised")
+        args["zxbcdt"] = torch.randn_like(args["zxbcdt"], dtype=torch.float32).to(BF16)
+
+
 @gpu
 def test_fused_step_in_a_cuda_graph():
     """Captured once (workspace allocated inside the capture), replayed on changing inputs."""
@@ -184,6 +220,8 @@ def test_gated_rms_norm_bf16(d, group):
 @gpu
 def test_dispatch_picks_triton_on_cuda(monkeypatch):
     monkeypatch.delenv("TREESERVE_KERNELS", raising=False)
-    for name, fn in (("mamba_decode_step", mamba_decode_step), ("add_rms_norm", norms.add_rms_norm),
+    for name, fn in (("mamba_decode_step", mamba_decode_step),
+                     ("mamba_decode_step_deferred_norm", mamba_decode_step_deferred_norm),
+                     ("add_rms_norm", norms.add_rms_norm),
                      ("rms_norm", norms.rms_norm), ("gated_rms_norm", norms.gated_rms_norm)):
         assert ops.implementation(name, torch.device(DEV)) is fn

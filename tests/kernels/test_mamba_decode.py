@@ -9,7 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels import conv_tree, mamba_decode, norms, ssm_common, ssm_decode
-from kernels.mamba_decode import mamba_decode_step, mamba_decode_step_ref
+from kernels.mamba_decode import (
+    mamba_decode_step,
+    mamba_decode_step_deferred_norm,
+    mamba_decode_step_deferred_norm_ref,
+    mamba_decode_step_ref,
+)
 from tests.kernels.ssm_oracle import LIMIT, Mamba2Step, assert_close, layer_weights, nan_output, rand, untouched_slots
 
 F32, F16 = torch.float32, torch.float16
@@ -91,7 +96,30 @@ def check(args, dtype=F32):
         assert torch.equal(ssm[keep], args["ssm_state"][keep]), f"{name} touched other ssm slots"
     assert_close(got[0], ref[0], TWIN_TOL[dtype], "triton vs twin out")
     assert_close(got[2][slots], ref[2][slots], TWIN_TOL[dtype], "triton vs twin ssm state")
+    if args["norm_group_size"] == args["ssm_state"].shape[1] * args["ssm_state"].shape[2]:
+        check_deferred(args, dtype, want_out, got)
     return got, ref
+
+
+def deferred_args(args):
+    return {k: v for k, v in args.items() if k != "norm_group_size"}
+
+
+def check_deferred(args, dtype, want_out, fused):
+    """The deferred-norm step: u * rstd is the normalised output (oracle), Triton equals its twin,
+    and both states advance exactly as in the normalising step `fused` (Triton)."""
+    arrivals = torch.zeros(args["zxbcdt"].shape[0], dtype=torch.int32)
+    (u, rstd), conv, ssm = run(mamba_decode_step_deferred_norm, deferred_args(args), arrivals=arrivals)
+    (u_ref, rstd_ref), conv_ref, ssm_ref = run(mamba_decode_step_deferred_norm_ref, deferred_args(args))
+    assert not arrivals.any(), "arrival counters must return to zero"
+    assert rstd.dtype == torch.float32 and rstd.shape == (args["zxbcdt"].shape[0],)
+    assert u.dtype == fused[0].dtype
+    for uu, rr, name in ((u, rstd, "triton"), (u_ref, rstd_ref, "twin")):
+        assert_close(uu.double() * rr.double()[:, None], want_out, TOL[dtype], f"{name} deferred u * rstd vs oracle")
+    assert_close(u, u_ref, TWIN_TOL[dtype], "triton vs twin u")
+    assert_close(rstd, rstd_ref, TWIN_TOL[F32], "triton vs twin rstd")
+    assert torch.equal(conv, fused[1]) and torch.equal(ssm, fused[2]), "deferred step moved the states differently"
+    assert torch.equal(conv_ref, conv)
 
 
 # (nb, H, P, N, G, W): several tiles per head (N 128 -> 8-row tiles), a headdim that is not a power
@@ -202,6 +230,8 @@ def test_refuses_what_it_cannot_do():
         mamba_decode_step(**args, arrivals=torch.zeros(1, dtype=torch.int32))
     with pytest.raises(ValueError, match="columns"):
         mamba_decode_step(**dict(args, zxbcdt=args["zxbcdt"][:, 1:]))
+    with pytest.raises(ValueError, match="arrivals"):
+        mamba_decode_step_deferred_norm(**deferred_args(args), arrivals=torch.zeros(1, dtype=torch.int32))
 
 
 def test_compiles_for_sm90():
@@ -214,5 +244,7 @@ def test_compiles_for_sm90():
         for P, G, dtype in ((64, 1, torch.bfloat16), (128, 2, torch.bfloat16), (64, 1, F32)):
             mamba_decode_step(**step_case(1, 2, P, 128, G, 4, seed=13, dtype=dtype))
         mamba_decode_step(**step_case(1, 2, 64, 128, 1, 4, seed=13, dtype=torch.bfloat16, conv_bias=False))
+        for P, dtype in ((64, torch.bfloat16), (64, F32)):
+            mamba_decode_step_deferred_norm(**deferred_args(step_case(1, 2, P, 128, 1, 4, seed=13, dtype=dtype)))
 
     assert_compiles_for_sm90([mamba_decode._mamba_step_kernel], run_all)

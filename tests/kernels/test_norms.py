@@ -57,6 +57,36 @@ def test_add_rms_norm(h_dt, o_dt, w_dt, norm_dt, T, d, mult):
     torch.testing.assert_close(got_x.double(), want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+@pytest.mark.parametrize("h_dt,o_dt,w_dt,norm_dt", DTYPES)
+def test_add_rms_norm_with_row_scale(h_dt, o_dt, w_dt, norm_dt):
+    """A deferred gated norm's rstd scales each row of out (in out's dtype) before the add."""
+    gen = torch.Generator().manual_seed(11)
+    T, d = 4, 96
+    h, out = _rand(gen, T, d, dtype=h_dt, scale=3.0), _rand(gen, T, d, dtype=o_dt, scale=20.0)
+    scale = torch.rand(T, generator=gen) * 0.1 + 0.01
+    weight = _rand(gen, d, dtype=w_dt)
+    got_h, got_x = norms.add_rms_norm(h, out, weight, 1e-5, 0.5, norm_dt, out_scale=scale)
+    ref_h, ref_x = norms.add_rms_norm_ref(h, out, weight, 1e-5, 0.5, norm_dt, out_scale=scale)
+    assert torch.equal(got_h, ref_h), "residual sum"
+    _assert_same(got_x, ref_x, "normalised")
+    want_h = h.double() + 0.5 * out.double() * scale.double()[:, None]
+    tol = 2e-6 if {h_dt, o_dt} == {F32} else 2e-3
+    torch.testing.assert_close(got_h.double(), want_h, rtol=tol, atol=tol * want_h.abs().max().item())
+    with pytest.raises(ValueError, match="out_scale"):
+        norms.add_rms_norm(h, out, weight, 1e-5, out_scale=scale[:2])
+
+
+def test_deferred_gated_norm_twin_is_the_norm():
+    """rstd * (u @ W.T) == gated_rms_norm(...) @ W.T: what the deferred decode step relies on."""
+    gen = torch.Generator().manual_seed(12)
+    T, d = 3, 64
+    y, z, weight = _rand(gen, T, d), _rand(gen, T, d), _rand(gen, d)
+    W = _rand(gen, 16, d)
+    u, rstd = norms.gated_rms_norm_deferred_ref(y, z, weight, 1e-5, F32)
+    want = norms.gated_rms_norm_ref(y, z, weight, d, 1e-5, F32) @ W.T
+    torch.testing.assert_close(rstd[:, None] * (u @ W.T), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [F32, F16])
 def test_rms_norm_without_add(dtype):
     gen = torch.Generator().manual_seed(3)

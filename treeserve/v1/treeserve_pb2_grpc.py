@@ -46,6 +46,11 @@ class VerifierStub:
                 request_serializer=treeserve_dot_v1_dot_treeserve__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=treeserve_dot_v1_dot_treeserve__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyStream = channel.stream_stream(
+                '/treeserve.v1.Verifier/VerifyStream',
+                request_serializer=treeserve_dot_v1_dot_treeserve__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=treeserve_dot_v1_dot_treeserve__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/treeserve.v1.Verifier/Commit',
                 request_serializer=treeserve_dot_v1_dot_treeserve__pb2.CommitRequest.SerializeToString,
@@ -86,6 +91,18 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyStream(self, request_iterator, context):
+        """Verify over one long-lived stream (cheaper per step than a unary call): each VerifyRequest gets
+        exactly one VerifyResponse, in request order, with the same semantics as Verify (per-item
+        errors inside the response; the stream stays open). A request malformed as a whole ends the
+        stream with the status Verify would have returned, so the caller opens a new stream. Messages
+        carry no deadline of their own: the caller bounds its wait for each response and cancels the
+        stream when that passes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Commit(self, request, context):
         """Apply a commit explicitly (when no further Verify follows, e.g. at the end of generation).
         """
@@ -116,6 +133,11 @@ def add_VerifierServicer_to_server(servicer, server):
             ),
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
+                    request_deserializer=treeserve_dot_v1_dot_treeserve__pb2.VerifyRequest.FromString,
+                    response_serializer=treeserve_dot_v1_dot_treeserve__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyStream,
                     request_deserializer=treeserve_dot_v1_dot_treeserve__pb2.VerifyRequest.FromString,
                     response_serializer=treeserve_dot_v1_dot_treeserve__pb2.VerifyResponse.SerializeToString,
             ),
@@ -189,6 +211,33 @@ class Verifier:
             request,
             target,
             '/treeserve.v1.Verifier/Verify',
+            treeserve_dot_v1_dot_treeserve__pb2.VerifyRequest.SerializeToString,
+            treeserve_dot_v1_dot_treeserve__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/treeserve.v1.Verifier/VerifyStream',
             treeserve_dot_v1_dot_treeserve__pb2.VerifyRequest.SerializeToString,
             treeserve_dot_v1_dot_treeserve__pb2.VerifyResponse.FromString,
             options,

@@ -1,0 +1,172 @@
+"""What a Python gRPC round trip costs on this host, without any of treeserve: a server process whose
+handler "works" for WORK_MS (sleeping, or spinning), unary calls against one bidirectional stream
+carrying a message pair per step, on the sync and the asyncio stacks. Prints the median and mean of
+(call wall time - WORK_MS) in ms, per variant.
+
+    python -m bench.grpc_roundtrip WORK_MS [CALLS] [sleep|spin]
+    KEEPAWAKE=1 python -m bench.grpc_roundtrip ...   # a thread in each process keeps a core busy
+
+The servers run as child processes of this script (ROLE=sync-server / aio-server in their environment).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+WORK_MS = float(sys.argv[1]) if len(sys.argv) > 1 else 4.0
+CALLS = int(sys.argv[2]) if len(sys.argv) > 2 else 200
+WAIT = sys.argv[3] if len(sys.argv) > 3 else "sleep"
+WARMUP = 20
+PAYLOAD = b"x" * 300  # about a 16-node VerifyRequest
+
+
+def work() -> None:
+    if WAIT == "sleep":
+        time.sleep(WORK_MS / 1e3)
+    else:  # a thread that spins, as one waiting on a GPU does
+        end = time.perf_counter() + WORK_MS / 1e3
+        while time.perf_counter() < end:
+            pass
+
+
+def same(x):
+    return x
+
+
+def serve_sync() -> None:
+    def unary(request, context):
+        work()
+        return PAYLOAD
+
+    def bidi(requests, context):
+        for _ in requests:
+            work()
+            yield PAYLOAD
+
+    server = grpc.server(futures.ThreadPoolExecutor(8))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("b.S", {
+        "U": grpc.unary_unary_rpc_method_handler(unary, same, same),
+        "B": grpc.stream_stream_rpc_method_handler(bidi, same, same),
+    }),))
+    print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+    server.start()
+    server.wait_for_termination()
+
+
+def serve_aio() -> None:
+    async def unary(request, context):
+        work()  # on the event loop's thread: no hand-off
+        return PAYLOAD
+
+    async def bidi(requests, context):
+        async for _ in requests:
+            work()
+            yield PAYLOAD
+
+    async def main():
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("b.S", {
+            "U": grpc.unary_unary_rpc_method_handler(unary, same, same),
+            "B": grpc.stream_stream_rpc_method_handler(bidi, same, same),
+        }),))
+        print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def report(label: str, extra_ms: list[float]) -> None:
+    timed = extra_ms[WARMUP:]
+    print(f"{label:38s} med/mean {statistics.median(timed):.3f} {statistics.mean(timed):.3f}", flush=True)
+
+
+def timed(fn) -> list[float]:
+    out = []
+    for _ in range(WARMUP + CALLS):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e3 - WORK_MS)
+    return out
+
+
+def sync_client(role: str, port: int) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        unary = channel.unary_unary("/b.S/U", same, same)
+        report(f"{role} unary", timed(lambda: unary(PAYLOAD)))
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+
+        def feed():
+            while (r := requests.get()) is not None:
+                yield r
+
+        responses = channel.stream_stream("/b.S/B", same, same)(feed())
+
+        def step():
+            requests.put(PAYLOAD)
+            return next(responses)
+
+        report(f"{role} bidi stream", timed(step))
+        requests.put(None)
+
+
+async def aio_client(port: int) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        unary = channel.unary_unary("/b.S/U", same, same)
+        out = []
+        for _ in range(WARMUP + CALLS):
+            t = time.perf_counter()
+            await unary(PAYLOAD)
+            out.append((time.perf_counter() - t) * 1e3 - WORK_MS)
+        report("aio client + aio server unary", out)
+        call = channel.stream_stream("/b.S/B", same, same)()
+        out = []
+        for _ in range(WARMUP + CALLS):
+            t = time.perf_counter()
+            await call.write(PAYLOAD)
+            await call.read()
+            out.append((time.perf_counter() - t) * 1e3 - WORK_MS)
+        report("aio client + aio server bidi stream", out)
+        await call.done_writing()
+
+
+def keep_awake() -> None:
+    def spin():
+        while True:
+            os.sched_yield()  # releases the GIL on every turn
+
+    threading.Thread(target=spin, daemon=True).start()
+
+
+def main() -> None:
+    if os.environ.get("KEEPAWAKE"):
+        keep_awake()
+    role = os.environ.get("ROLE")
+    if role == "sync-server":
+        return serve_sync()
+    if role == "aio-server":
+        return serve_aio()
+    for role in ("sync-server", "aio-server"):
+        child = subprocess.Popen([sys.executable, "-m", "bench.grpc_roundtrip", *sys.argv[1:]],
+                                 env={**os.environ, "ROLE": role}, stdout=subprocess.PIPE, text=True)
+        try:
+            port = int(child.stdout.readline())
+            sync_client(role, port)
+            if role == "aio-server":
+                asyncio.run(aio_client(port))
+        finally:
+            child.kill()
+            child.wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""The few-row linear kernel on CUDA at the benchmark models' projection shapes, bf16 weights and
+activations, both paths (one row; 2..16 rows on tensor cores): against the twin (fp32 sums, one
+rounding) within one bf16 ulp, and the model's `linear` picks it up to its row limit.
+
+    TRITON_INTERPRET=0 python -m pytest -q tests/gpu/test_linear_gpu.py
+"""
+import pytest
+import torch
+
+from kernels.few_rows_linear import MAX_ROWS, few_rows_linear, few_rows_linear_ref
+from models.layers import linear as linear_mod
+from tests.gpu.marks import compiled_triton, gpu  # noqa: F401 (fixture)
+
+DEV, BF16 = "cuda", torch.bfloat16
+SHAPES = [(2560, 10576), (5120, 2560), (4096, 1024), (14336, 4096), (2560, 50288)]  # (K, N)
+
+
+@gpu
+@pytest.mark.parametrize("K,N", SHAPES)
+@pytest.mark.parametrize("M", [1, 2, 5, MAX_ROWS])
+def test_matches_twin(K, N, M):
+    gen = torch.Generator(device=DEV).manual_seed(K + N + M)
+    W = (torch.randn(N, K, device=DEV, generator=gen) * K ** -0.5).to(BF16)
+    x = torch.randn(M, K + 8, device=DEV, generator=gen).to(BF16)[:, 8:]
+    b = torch.randn(N, device=DEV, generator=gen).to(BF16)
+    got, want = few_rows_linear(x, W, b), few_rows_linear_ref(x, W, b)
+    # both sum in fp32 (different order) and round once: at most one bf16 ulp apart, rarely
+    torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-3)
+    assert (got != want).float().mean().item() < 0.02
+
+
+@gpu
+def test_model_linear_uses_it_up_to_its_row_limit(monkeypatch):
+    calls = []
+    real = linear_mod.ops.few_rows_linear
+    monkeypatch.setattr(linear_mod.ops, "few_rows_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    W = torch.randn(64, 32, device=DEV)
+    for rows in (1, linear_mod.KERNEL_ROWS, linear_mod.KERNEL_ROWS + 1):
+        linear_mod.linear(torch.randn(rows, 32, device=DEV), W)
+    assert calls == [1, linear_mod.KERNEL_ROWS]

@@ -1,0 +1,91 @@
+"""The engine sends its steps over VerifyStream, and falls back to unary Verify against a verifier
+built before VerifyStream existed: same output either way.
+
+Both front doors serve one verifier core in this process (one model, one batcher): a full Verifier
+and one registered without VerifyStream, as an older build answers (UNIMPLEMENTED)."""
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from orchestrator.engine import Engine, EngineConfig
+from orchestrator.request import RequestSpec, Speculation
+from treeserve.sampling import Sampling
+from treeserve.server import Server
+from treeserve.v1 import treeserve_pb2_grpc as pbg
+
+NEW_TOKENS = 12
+
+
+def register_without_verify_stream(servicer, server) -> None:
+    """Register every Verifier method but VerifyStream, under the service's usual name."""
+
+    class Capture:
+        handlers: dict = {}
+
+        def add_generic_rpc_handlers(self, handlers):
+            pass
+
+        def add_registered_method_handlers(self, name, handlers):
+            self.handlers = handlers
+
+    cap = Capture()
+    pbg.add_VerifierServicer_to_server(servicer, cap)
+    older = {name: h for name, h in cap.handlers.items() if name != "VerifyStream"}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("treeserve.v1.Verifier", older),))
+
+
+@pytest.fixture(scope="module")
+def verifiers(tiny_pair):
+    """{'current': address, 'older': address}, both on one verifier core."""
+    from models import HybridLM
+    from verifier_service.batcher import Batcher
+    from verifier_service.engine import Engine as VerifierEngine
+    from verifier_service.limits import Limits
+    from verifier_service.servicer import ModelInfo, VerifierServicer
+
+    limits = Limits(max_sequences=4, max_tree_nodes=8, max_sequence_length=128).validate()
+    lm = HybridLM.from_pretrained(tiny_pair[0], max_slots=limits.max_sequences, max_len=limits.max_sequence_length)
+    core = VerifierEngine(lm, limits)
+    batcher = Batcher(core, limits).start()
+    servicer = VerifierServicer(core, batcher, ModelInfo("target", "cpu", (0,)))
+    servers = {"current": Server("127.0.0.1:0").add(pbg.add_VerifierServicer_to_server, servicer, "Verifier"),
+               "older": Server("127.0.0.1:0").add(register_without_verify_stream, servicer, "Verifier")}
+    for s in servers.values():
+        s.start()
+    yield {name: f"127.0.0.1:{s.port}" for name, s in servers.items()}
+    for s in servers.values():
+        s.stop(grace=0)
+    batcher.stop()
+
+
+def generate(engine: Engine, rid: str, prompt: list[int]) -> list[int]:
+    spec = RequestSpec(rid, tuple(prompt), Sampling(), NEW_TOKENS, Speculation(mode="off", adaptive=False), front=rid)
+    assert engine.submit(spec) is None
+    tokens: list[int] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for ev in engine.outbox.drain(rid, timeout=1.0):
+            assert ev.error is None, ev.error
+            tokens.extend(ev.tokens)
+            if ev.last:
+                return tokens
+    raise TimeoutError(f"{rid} did not finish")
+
+
+def test_engine_streams_and_falls_back_to_unary_on_an_older_verifier(verifiers):
+    prompt = [5, 17, 42, 8, 99, 3]
+    outputs, rpcs = {}, {}
+    for name, address in verifiers.items():
+        engine = Engine(EngineConfig(verifier=address, name=name, connect_timeout_s=30)).start()
+        engine.eos = frozenset()  # the full NEW_TOKENS whatever the random target predicts
+        try:
+            outputs[name] = generate(engine, f"r-{name}", prompt)
+            rpcs[name] = engine.stats()["verify_rpc"]
+        finally:
+            engine.stop()
+    assert rpcs == {"current": "VerifyStream", "older": "Verify"}
+    assert len(outputs["current"]) == NEW_TOKENS
+    assert outputs["older"] == outputs["current"]

@@ -1,0 +1,165 @@
+"""VerifyStream: Verify over one long-lived stream. Same answers as unary Verify, one response per
+request in order, a malformed request ends only its own stream, per-item errors do not end it, a
+late response fails like a unary deadline, and the bearer token is required."""
+from __future__ import annotations
+
+import queue
+import random
+import time
+
+import grpc
+import pytest
+
+from tests.verifier.trees import random_tree, with_drafts
+from treeserve.sampling import Sampling
+from treeserve.tree import TokenTree, tree_to_proto
+from treeserve.v1 import treeserve_pb2 as pb
+from treeserve.v1 import treeserve_pb2_grpc as pbg
+from verifier_service.client import CommitSpec, VerifierClient, VerifyItem
+
+VOCAB = 320
+
+
+def request(*items: VerifyItem):
+    return pb.VerifyRequest(items=[it.to_proto() for it in items])
+
+
+def answers(resp) -> list:
+    """Everything a response says about its items (forward timing aside)."""
+    out = []
+    for r in resp.results:
+        tops = [(list(t.tokens), [round(x, 5) for x in t.logprobs]) for t in r.top_logprobs]
+        walk = (list(r.walk.accepted_nodes), r.walk.bonus_token) if r.HasField("walk") else None
+        error = (r.error.code, r.error.message) if r.HasField("error") else None
+        out.append((error, r.committed_length, list(r.target_tokens), walk, tops))
+    return out
+
+
+@pytest.mark.parametrize("s, drafts", [(Sampling(), False), (Sampling(temperature=0.9, top_k=40, seed=21), True)])
+def test_stream_answers_equal_unary_step_by_step(client, fresh_id, s, drafts):
+    """Twin sequences (same prompt and sampling) stepped through the same trees and commits, one by
+    unary Verify, the other over one stream: equal answers at every step."""
+    rng = random.Random(7)
+    prompt = [rng.randrange(1, VOCAB) for _ in range(8)]
+    unary_id, stream_id = fresh_id("unary"), fresh_id("stream")
+    L, root = client.prefill(unary_id, prompt, s)
+    assert client.prefill(stream_id, prompt, s) == (L, root)
+    commit = None
+    with client.verify_stream() as stream:
+        for _ in range(6):
+            tree = random_tree(rng, root, VOCAB, size=rng.randint(1, 12))
+            if drafts and tree.size > 1:
+                tree = with_drafts(rng, tree, VOCAB)
+            by_call = client.verify_raw(request(VerifyItem(unary_id, L, tree, commit, top_logprobs=3)))
+            by_stream = stream.send(request(VerifyItem(stream_id, L, tree, commit, top_logprobs=3)))
+            assert answers(by_stream) == answers(by_call)
+            (r,) = by_call.results
+            assert not r.HasField("error")
+            if r.HasField("walk"):
+                path, bonus = tuple(r.walk.accepted_nodes), r.walk.bonus_token
+            else:  # any branch is a valid commit: the longest moves state furthest
+                path = tuple(max((tree.path_to(i) for i in range(tree.size)), key=len))
+                bonus = r.target_tokens[path[-1]]
+            commit = CommitSpec(L, path)
+            L, root = L + len(path), bonus
+        assert stream.open
+
+
+def test_pipelined_requests_get_one_response_each_in_order(client, fresh_id):
+    """Requests written ahead of their answers (raw stub, not the session): each response belongs
+    to the request at its position."""
+    ids = [fresh_id("pipe") for _ in range(3)]
+    roots = {sid: client.prefill(sid, [3, 4, 5 + k]) for k, sid in enumerate(ids)}
+    plan = []  # per request: [(sequence id, tree size)]
+    for i in range(24):
+        chosen = ids[i % 3: i % 3 + 1 + i % 2]  # one or two sequences
+        plan.append([(sid, 1 + (i * 5 + j) % 7) for j, sid in enumerate(chosen)])
+    reqs = [request(*(VerifyItem(sid, roots[sid][0], TokenTree.chain([roots[sid][1]] + [9] * (n - 1)))
+                      for sid, n in step)) for step in plan]
+    responses = list(client._stub.VerifyStream(iter(reqs), timeout=60))
+    assert len(responses) == len(plan)
+    for step, resp in zip(plan, responses):
+        assert [(r.sequence_id, len(r.target_tokens)) for r in resp.results] == step
+        assert all(not r.HasField("error") for r in resp.results)
+
+
+def test_malformed_request_ends_only_its_stream(client, fresh_id):
+    sid, other = fresh_id(), fresh_id()
+    L, root = client.prefill(sid, [1, 2, 3])
+    Lo, root_o = client.prefill(other, [1, 2, 4])
+    good = request(VerifyItem(sid, L, TokenTree.single(root)))
+    with client.verify_stream() as bad, client.verify_stream() as bystander:
+        assert bad.send(good).results[0].committed_length == L
+        assert bystander.send(request(VerifyItem(other, Lo, TokenTree.single(root_o)))).results[0].target_tokens
+        with pytest.raises(grpc.RpcError) as e:
+            bad.send(request(VerifyItem(sid, L, TokenTree.single(root)), VerifyItem(sid, L, TokenTree.single(root))))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "more than once" in e.value.details()
+        assert not bad.open and bad.error is e.value
+        # the other stream and unary calls carry on; the failed session opens a new stream
+        assert bystander.open
+        (r,) = bystander.send(request(VerifyItem(other, Lo, TokenTree.chain([root_o, 7])))).results
+        assert not r.HasField("error") and len(r.target_tokens) == 2
+        assert client.verify([VerifyItem(sid, L, TokenTree.single(root))]).results[0].ok
+        assert bad.send(good).results[0].committed_length == L and bad.open
+
+
+def test_item_errors_travel_inside_the_response(client, fresh_id):
+    sid = fresh_id()
+    L, root = client.prefill(sid, [6, 7])
+    with client.verify_stream() as stream:
+        resp = stream.send(request(VerifyItem(fresh_id("unknown"), 0, TokenTree.single(root)),
+                                   VerifyItem(sid, L + 3, TokenTree.single(root)),
+                                   VerifyItem(sid + "-too-long", 0, TokenTree.single(root), top_logprobs=99)))
+        codes = [r.error.code for r in resp.results]
+        assert codes == [c.value[0] for c in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+                                              grpc.StatusCode.INVALID_ARGUMENT)]
+        assert stream.open and stream.error is None
+        assert stream.send(request(VerifyItem(sid, L, TokenTree.single(root)))).results[0].committed_length == L
+
+
+def test_late_response_is_deadline_exceeded_and_the_next_send_reopens(client, fresh_id):
+    sid = fresh_id()
+    L, root = client.prefill(sid, [8, 9, 10])
+    slow = request(VerifyItem(sid, L, random_tree(random.Random(1), root, VOCAB, size=16)))
+    with client.verify_stream(timeout=1.0) as stream:
+        # answers in time, also after the deadline thread woke up with nothing to wait for
+        assert stream.send(slow).results[0].committed_length == L
+        time.sleep(1.2)
+        assert stream.send(slow).results[0].committed_length == L
+        with pytest.raises(grpc.RpcError) as e:
+            stream.send(slow, timeout=1e-4)  # no round trip through a model is this fast
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "no response within" in e.value.details()
+        assert not stream.open and stream.error is e.value
+        assert stream.send(slow).results[0].committed_length == L and stream.open
+
+
+def test_stream_requires_the_token(tiny_pair):
+    from models import HybridLM
+    from verifier_service.limits import Limits
+    from verifier_service.servicer import ModelInfo, VerifierServer
+
+    lm = HybridLM.from_pretrained(tiny_pair[0], max_slots=2, max_len=64)
+    srv = VerifierServer(lm, Limits(max_sequences=2, max_tree_nodes=8, max_sequence_length=64), "127.0.0.1:0",
+                         ModelInfo("target", "cpu", (0,)), auth_token="s3cret")
+    address = f"127.0.0.1:{srv.port}"
+    try:
+        with VerifierClient(address, timeout=30) as anonymous, anonymous.verify_stream() as stream:
+            with pytest.raises(grpc.RpcError) as e:
+                stream.send(request(VerifyItem("a", 3, TokenTree.single(1))))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # refused at once, before the client writes anything (a refusal of the wrong kind of
+        # handler would wait for a first message and run into the deadline instead)
+        silent: queue.SimpleQueue = queue.SimpleQueue()
+        with grpc.insecure_channel(address) as ch:
+            call = pbg.VerifierStub(ch).VerifyStream(iter(silent.get, None), timeout=10)
+            with pytest.raises(grpc.RpcError) as e:
+                next(call)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            silent.put(None)
+        with VerifierClient(address, auth_token="s3cret", timeout=30) as c, c.verify_stream() as stream:
+            L, root = c.prefill("a", [1, 2, 3])
+            (r,) = stream.send(pb.VerifyRequest(items=[pb.VerifyItem(
+                sequence_id="a", committed_length=L, tree=tree_to_proto(TokenTree.single(root)))])).results
+            assert r.committed_length == L and len(r.target_tokens) == 1
+    finally:
+        srv.stop()

@@ -14,7 +14,7 @@ from drafter_service.engine import DraftCall, Drafter, DraftReply
 from treeserve.acceptance import Outcome
 from treeserve.errors import InvalidArgument, item_error, status_of
 from treeserve.sampling import Sampling
-from treeserve.server import grpc_errors
+from treeserve.server import client_requests, grpc_errors
 from treeserve.tree import tree_to_proto
 from treeserve.v1 import treeserve_pb2 as pb
 from treeserve.v1 import treeserve_pb2_grpc as pbg
@@ -66,7 +66,7 @@ class DrafterServicer(pbg.DrafterServicer):
 
     @grpc_errors
     def Speculate(self, request_iterator, context):
-        for req in _until_client_leaves(request_iterator):
+        for req in client_requests(request_iterator):
             try:
                 reply = self.drafter.draft(call_from_proto(req))
             except Exception as exc:  # noqa: BLE001 - per-request errors travel in the response
@@ -87,11 +87,3 @@ class DrafterServicer(pbg.DrafterServicer):
             saved_draft_ms=m.saved_ms,
         )
 
-
-def _until_client_leaves(requests):
-    """The stream's requests until the client closes or cancels it. A cancel is how an
-    orchestrator ends its stream (shutdown, reconnect), not a failure of this service."""
-    try:
-        yield from requests
-    except grpc.RpcError:
-        return

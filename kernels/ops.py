@@ -29,6 +29,7 @@ _HOME = {
     "add_rms_norm": "kernels.norms",
     "gated_rms_norm": "kernels.norms",
     "few_rows_linear": "kernels.few_rows_linear",
+    "rope_qk": "kernels.rope",
 }
 
 
@@ -71,3 +72,4 @@ rms_norm = _dispatcher("rms_norm")
 add_rms_norm = _dispatcher("add_rms_norm")
 gated_rms_norm = _dispatcher("gated_rms_norm")
 few_rows_linear = _dispatcher("few_rows_linear")
+rope_qk = _dispatcher("rope_qk")

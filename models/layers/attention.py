@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
-from kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from kernels.rope import rope_inv_freq
 from models.batch import Packed
 from models.config import AttentionSpec
 from models.layers.linear import Linear
@@ -43,8 +43,7 @@ class Attention(nn.Module):
         k = k.reshape(T, s.n_kv_heads, s.head_dim)
         v = v.reshape(T, s.n_kv_heads, s.head_dim)
         if s.rotary_dim:
-            cos, sin = rope_cos_sin(positions, s.rotary_dim, s.rope_theta, h.dtype, inv_freq=self.inv_freq)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = ops.rope_qk(q, k, positions, self.inv_freq)
         return q, k, v
 
     def _out(self, o: torch.Tensor) -> torch.Tensor:

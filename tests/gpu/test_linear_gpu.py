@@ -1,6 +1,7 @@
 """The few-row linear kernel on CUDA at the benchmark models' projection shapes, bf16 weights and
 activations, both paths (one row; 2..16 rows on tensor cores): against the twin (fp32 sums, one
-rounding) within one bf16 ulp, and the model's `linear` picks it up to its row limit.
+rounding) within one bf16 ulp, and the model's `linear` picks it up to its row limit. Also the
+fused q/k RoPE at the 8B hybrid's attention shape.
 
     TRITON_INTERPRET=0 python -m pytest -q tests/gpu/test_linear_gpu.py
 """
@@ -38,3 +39,21 @@ def test_model_linear_uses_it_up_to_its_row_limit(monkeypatch):
     for rows in (1, linear_mod.KERNEL_ROWS, linear_mod.KERNEL_ROWS + 1):
         linear_mod.linear(torch.randn(rows, 32, device=DEV), W)
     assert calls == [1, linear_mod.KERNEL_ROWS]
+
+
+@gpu
+@pytest.mark.parametrize("Dh,rotary", [(128, 128), (128, 64)])
+def test_rope_qk_bf16(Dh, rotary):
+    """The fused q/k RoPE at the 8B hybrid's attention shape against transformers' composition:
+    within one bf16 ulp (the device's cos/sin may round the other way), rarely."""
+    from kernels.rope import rope_inv_freq, rope_qk, rope_qk_ref
+
+    gen = torch.Generator(device=DEV).manual_seed(Dh + rotary)
+    T, Hq, Hk = 64, 32, 8
+    qkv = torch.randn(T, (Hq + 2 * Hk) * Dh, device=DEV, generator=gen).to(BF16)
+    q, k = qkv[:, : Hq * Dh].view(T, Hq, Dh), qkv[:, Hq * Dh: (Hq + Hk) * Dh].view(T, Hk, Dh)
+    positions = torch.randint(0, 8192, (T,), device=DEV, generator=gen)
+    inv_freq = rope_inv_freq(rotary, 10000.0, DEV)
+    for got, want in zip(rope_qk(q, k, positions, inv_freq), rope_qk_ref(q, k, positions, inv_freq)):
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+        assert (got != want).float().mean().item() < 0.02

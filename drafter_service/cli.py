@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
     drafter = build(args)
     server = Server(f"{args.host}:{args.port}", auth_token=args.auth_token)
-    server.add(pbg.add_DrafterServicer_to_server, DrafterServicer(drafter), "Drafter").start()
+    server.add(pbg.add_DrafterServicer_to_server, DrafterServicer(drafter, stopping=server.stopping), "Drafter").start()
     start_metrics(args.metrics_port)
     log.info("drafter: %s, defaults %s", drafter.strategy, drafter.defaults)
     if drafter.model is not None:

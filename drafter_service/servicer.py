@@ -7,6 +7,7 @@ stream stays open and other sequences are unaffected.
 from __future__ import annotations
 
 import logging
+import threading
 
 import grpc
 
@@ -44,8 +45,10 @@ def reply_to_proto(reply: DraftReply):
 
 
 class DrafterServicer(pbg.DrafterServicer):
-    def __init__(self, drafter: Drafter):
+    def __init__(self, drafter: Drafter, stopping: threading.Event | None = None):
+        """stopping: the server's shutdown event; open Speculate streams end at their next request once set."""
         self.drafter = drafter
+        self._stopping = stopping
 
     @grpc_errors
     def StartSequence(self, request, context):
@@ -66,7 +69,7 @@ class DrafterServicer(pbg.DrafterServicer):
 
     @grpc_errors
     def Speculate(self, request_iterator, context):
-        for req in client_requests(request_iterator):
+        for req in client_requests(request_iterator, self._stopping):
             try:
                 reply = self.drafter.draft(call_from_proto(req))
             except Exception as exc:  # noqa: BLE001 - per-request errors travel in the response

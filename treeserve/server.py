@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from treeserve.errors import status_of
+from treeserve.errors import Unavailable, status_of
 from treeserve.v1 import treeserve_pb2 as pb
 
 log = logging.getLogger("treeserve.server")
@@ -62,12 +62,20 @@ def grpc_errors(method: Callable) -> Callable:
     return on_error(method, abort)
 
 
-def client_requests(request_iterator: Iterable) -> Iterator:
+def client_requests(request_iterator: Iterable, stopping: threading.Event | None = None) -> Iterator:
     """A streaming handler's requests until the client half-closes or cancels the stream. A
     cancel is how a client ends a long-lived stream (shutdown, reconnect, its own timeout), not a
-    failure of the service, so it ends the handler quietly instead of reaching `grpc_errors`."""
+    failure of the service, so it ends the handler quietly instead of reaching `grpc_errors`.
+
+    `stopping` (the server's `Server.stopping`): once the server shuts down, the next request ends
+    the stream with UNAVAILABLE instead of being served. New calls are refused from that moment
+    anyway; without this a long-lived stream would keep a stopping server busy for its whole grace
+    period, and its client would learn of the shutdown only when the stream was cut."""
     try:
-        yield from request_iterator
+        for request in request_iterator:
+            if stopping is not None and stopping.is_set():
+                raise Unavailable("the server is shutting down: open a new stream to another replica")
+            yield request
     except grpc.RpcError:
         return
 
@@ -128,6 +136,7 @@ class Server:
         if self.port == 0:
             raise OSError(f"could not bind {address}")
         self._stopped = threading.Event()
+        self.stopping = threading.Event()  # set when a shutdown begins (see `client_requests`)
 
     def add(self, register: Callable, servicer, service_name: str) -> "Server":
         """register: the generated add_XServicer_to_server; service_name: e.g. 'Verifier'."""
@@ -144,6 +153,7 @@ class Server:
         return self
 
     def stop(self, grace: float = GRACE_SECONDS) -> None:
+        self.stopping.set()
         self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
         self._stopped.set()

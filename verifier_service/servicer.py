@@ -75,7 +75,9 @@ class ModelInfo:
 
 
 class VerifierServicer(pbg.VerifierServicer):
-    def __init__(self, engine: Engine, batcher: Batcher, info: ModelInfo):
+    def __init__(self, engine: Engine, batcher: Batcher, info: ModelInfo, stopping: threading.Event | None = None):
+        """stopping: the server's shutdown event; open VerifyStreams end at their next request once set."""
+        self._stopping = stopping
         self._engine = engine
         self._batcher = batcher
         self._limits: Limits = engine.limits
@@ -166,7 +168,7 @@ class VerifierServicer(pbg.VerifierServicer):
         loop, and the boundary ends the stream with its status. Messages have no deadline of their
         own (`_wait` then waits for the result); a cancelled stream stops its queued work through
         `context.is_active`, as a cancelled call does."""
-        for request in client_requests(request_iterator):
+        for request in client_requests(request_iterator, self._stopping):
             response, record = self._verify(request, context)
             try:
                 yield response
@@ -282,7 +284,8 @@ class VerifierServer:
         self._pool = LifoExecutor(max(32, 2 * limits.max_sequences + 8), name="verifier-rpc",
                                   prefer=self.batcher.is_runner)
         self.server = Server(address, auth_token=auth_token, executor=self._pool)
-        self.server.add(pbg.add_VerifierServicer_to_server, VerifierServicer(self.engine, self.batcher, info), "Verifier")
+        servicer = VerifierServicer(self.engine, self.batcher, info, stopping=self.server.stopping)
+        self.server.add(pbg.add_VerifierServicer_to_server, servicer, "Verifier")
         self.server.start()
         self.port = self.server.port
 

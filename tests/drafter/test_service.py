@@ -11,8 +11,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_service.client import DraftOptions, DrafterClient
 from treeserve.acceptance import Outcome
+from treeserve.errors import Unavailable
 from treeserve.sampling import Sampling
-from treeserve.server import channel
+from treeserve.server import channel, client_requests
 
 TOKEN = "sesame"
 
@@ -130,3 +131,22 @@ def test_client_cancelling_its_stream_is_not_an_error(servers):
         time.sleep(1.0)  # the server sees the cancel at once; give it time to (not) log
         assert client.end("c1")
     assert not [line for line in served.lines if "Speculate failed" in line or "Traceback" in line], served.lines
+
+
+def test_stream_requests_end_once_the_server_stops():
+    """The request loop both servicers' streams share: requests pass through until the server's
+    `stopping` event is set, then the next one ends the stream with UNAVAILABLE; a client's cancel
+    ends it quietly."""
+    stopping = threading.Event()
+    seen = []
+    with pytest.raises(Unavailable, match="shutting down"):
+        for r in client_requests(iter([1, 2, 3]), stopping):
+            seen.append(r)
+            stopping.set()
+    assert seen == [1]
+
+    def cancelled():
+        yield 1
+        raise grpc.RpcError()
+
+    assert list(client_requests(cancelled())) == [1]

@@ -163,3 +163,29 @@ def test_stream_requires_the_token(tiny_pair):
             assert r.committed_length == L and len(r.target_tokens) == 1
     finally:
         srv.stop()
+
+
+def test_shutdown_ends_an_open_stream_at_its_next_request(tiny_pair):
+    """SIGTERM with a stream open: its next request is answered UNAVAILABLE (go to another replica),
+    not served, and the process exits well before its 5 s grace period, which an open stream
+    would otherwise hold it for."""
+    from tests.verifier.harness import VerifierProcess
+
+    proc = VerifierProcess(tiny_pair[0])
+    try:
+        with VerifierClient(proc.address, timeout=30) as c:
+            L, root = c.prefill("bye", [3, 4, 5])
+            with c.verify_stream() as stream:
+                stream.send(request(VerifyItem("bye", L, TokenTree((root,), (-1,)))))
+                proc.proc.terminate()
+                t0 = time.monotonic()
+                with pytest.raises(grpc.RpcError) as err:
+                    for _ in range(200):  # until the server has taken the signal
+                        stream.send(request(VerifyItem("bye", L, TokenTree((root,), (-1,)))))
+                        time.sleep(0.02)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+                assert "shutting down" in err.value.details()
+                proc.proc.wait(timeout=4.0)
+                assert time.monotonic() - t0 < 4.0
+    finally:
+        proc.stop()

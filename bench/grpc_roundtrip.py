@@ -42,6 +42,14 @@ def same(x):
     return x
 
 
+def handlers(unary, bidi) -> grpc.GenericRpcHandler:
+    """The test service b.S: U unary, B bidirectional stream (payloads passed through as bytes)."""
+    return grpc.method_handlers_generic_handler("b.S", {
+        "U": grpc.unary_unary_rpc_method_handler(unary, same, same),
+        "B": grpc.stream_stream_rpc_method_handler(bidi, same, same),
+    })
+
+
 def serve_sync() -> None:
     def unary(request, context):
         work()
@@ -53,10 +61,7 @@ def serve_sync() -> None:
             yield PAYLOAD
 
     server = grpc.server(futures.ThreadPoolExecutor(8))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("b.S", {
-        "U": grpc.unary_unary_rpc_method_handler(unary, same, same),
-        "B": grpc.stream_stream_rpc_method_handler(bidi, same, same),
-    }),))
+    server.add_generic_rpc_handlers((handlers(unary, bidi),))
     print(server.add_insecure_port("127.0.0.1:0"), flush=True)
     server.start()
     server.wait_for_termination()
@@ -74,10 +79,7 @@ def serve_aio() -> None:
 
     async def main():
         server = grpc.aio.server()
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("b.S", {
-            "U": grpc.unary_unary_rpc_method_handler(unary, same, same),
-            "B": grpc.stream_stream_rpc_method_handler(bidi, same, same),
-        }),))
+        server.add_generic_rpc_handlers((handlers(unary, bidi),))
         print(server.add_insecure_port("127.0.0.1:0"), flush=True)
         await server.start()
         await server.wait_for_termination()
@@ -95,6 +97,15 @@ def timed(fn) -> list[float]:
     for _ in range(WARMUP + CALLS):
         t = time.perf_counter()
         fn()
+        out.append((time.perf_counter() - t) * 1e3 - WORK_MS)
+    return out
+
+
+async def timed_async(fn) -> list[float]:
+    out = []
+    for _ in range(WARMUP + CALLS):
+        t = time.perf_counter()
+        await fn()
         out.append((time.perf_counter() - t) * 1e3 - WORK_MS)
     return out
 
@@ -122,20 +133,14 @@ def sync_client(role: str, port: int) -> None:
 async def aio_client(port: int) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         unary = channel.unary_unary("/b.S/U", same, same)
-        out = []
-        for _ in range(WARMUP + CALLS):
-            t = time.perf_counter()
-            await unary(PAYLOAD)
-            out.append((time.perf_counter() - t) * 1e3 - WORK_MS)
-        report("aio client + aio server unary", out)
+        report("aio client + aio server unary", await timed_async(lambda: unary(PAYLOAD)))
         call = channel.stream_stream("/b.S/B", same, same)()
-        out = []
-        for _ in range(WARMUP + CALLS):
-            t = time.perf_counter()
+
+        async def step():
             await call.write(PAYLOAD)
             await call.read()
-            out.append((time.perf_counter() - t) * 1e3 - WORK_MS)
-        report("aio client + aio server bidi stream", out)
+
+        report("aio client + aio server bidi stream", await timed_async(step))
         await call.done_writing()
 
 

@@ -122,10 +122,7 @@ def balanced_tree(n: int, rng: random.Random, vocab: int):
 
 
 def bench_runtime(lm, graphs: bool, sizes, rng, vocab: int, max_decode: int) -> dict:
-    if graphs:
-        lm.use_graphs()
-    else:
-        lm.graphs = None
+    lm.graphs = lm.use_graphs() if graphs else None
     prompt = [rng.randrange(vocab) for _ in range(PROMPT)]
     slot = lm.pool.alloc()
     lm.prefill([slot], [prompt])

@@ -38,7 +38,6 @@ CPU smoke run (the tiny shape, no GPU):
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import pathlib
@@ -50,6 +49,8 @@ import tempfile
 import threading
 import time
 import urllib.request
+
+from verifier_service.metrics import CALL_STAGES
 
 MODES = ("clients", "batched", "stream")
 TREE_NODES = 16
@@ -117,13 +118,15 @@ def write_checkpoint(shape: str, layers: int | None, out: pathlib.Path, device: 
 class Server:
     def __init__(self, model: pathlib.Path, device: str, dtype: str, max_sequences: int, max_len: int, log_path: str,
                  extra: list[str]):
+        from orchestrator.procs import free_port
+
         cmd = [
             sys.executable, "-m", "treeserve.cli", "verifier", "--model", str(model), "--device", device,
             "--dtype", dtype, "--port", "0", "--max-sequences", str(max_sequences), "--max-tree-nodes",
             str(TREE_NODES), "--max-sequence-length", str(max_len), "--max-batch", str(max_sequences),
-            "--idle-timeout-s", "0", "--metrics-port", str(_free_port()), *extra,
+            "--idle-timeout-s", "0", "--metrics-port", str(free_port()), *extra,
         ]
-        port = cmd[len(cmd) - 1 - cmd[::-1].index("--metrics-port") + 1]  # the last one given wins
+        port = cmd[len(cmd) - cmd[::-1].index("--metrics-port")]  # the value after the last one given (it wins)
         self.metrics_url = f"http://127.0.0.1:{port}/metrics"
         self.log_path = log_path
         self._log = open(log_path, "wb")
@@ -147,16 +150,8 @@ class Server:
         self._log.close()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # ---- the server's own time split ----------------------------------------------------------------
-STAGES = ("decode", "queue", "forward", "engine", "handback", "encode")
+STAGES = CALL_STAGES[:-1]  # every stage but "total"
 
 
 def call_totals(metrics_url: str) -> dict[str, float]:
@@ -190,7 +185,8 @@ def call_split(before: dict[str, float], after: dict[str, float], wall_mean_ms: 
     def mean(stage: str) -> float:
         return (after.get(f"{stage}_sum", 0.0) - before.get(f"{stage}_sum", 0.0)) / calls
 
-    split = {"grpc": wall_mean_ms - mean("total"), **{st: mean(st) for st in STAGES}, "server": mean("total")}
+    server = mean("total")
+    split = {"grpc": wall_mean_ms - server, **{st: mean(st) for st in STAGES}, "server": server}
     split["inline_share"] = (after.get("inline", 0.0) - before.get("inline", 0.0)) / calls
     return split
 
@@ -330,10 +326,11 @@ def summarise(samples: list[tuple[float, float, int]], nodes_per_s: float, befor
     fwd = [s[1] for s in samples]
     over = [s[0] - s[1] for s in samples]
     step = statistics.median(wall)
+    mean = statistics.fmean(wall)
     return {
         "nodes_per_s": nodes_per_s,
         "step_ms_median": step,
-        "step_ms_mean": statistics.fmean(wall),
+        "step_ms_mean": mean,
         "step_ms_p90": sorted(wall)[int(0.9 * (len(wall) - 1))],
         "forward_ms_median": statistics.median(fwd),
         "overhead_ms_median": statistics.median(over),
@@ -341,7 +338,7 @@ def summarise(samples: list[tuple[float, float, int]], nodes_per_s: float, befor
         "batch_sequences_median": statistics.median(s[2] for s in samples),
         "batch_sequences_max": max(s[2] for s in samples),
         "samples": len(samples),
-        "split_ms_mean": call_split(before, after, statistics.fmean(wall)),
+        "split_ms_mean": call_split(before, after, mean),
     }
 
 
@@ -408,11 +405,10 @@ def main() -> None:
                     if mode == "clients":
                         r = run_clients(server.address, seqs, args.warmup, args.steps, server.metrics_url)
                     elif mode == "stream":
-                        with client.verify_stream(timeout=600) as stream:
+                        with client.verify_stream() as stream:
                             r = run_batched(stream.send, seqs, args.warmup, args.steps, server.metrics_url)
                     else:
-                        r = run_batched(functools.partial(client.verify_raw, timeout=600), seqs, args.warmup,
-                                        args.steps, server.metrics_url)
+                        r = run_batched(client.verify_raw, seqs, args.warmup, args.steps, server.metrics_url)
                     for s in seqs:
                         client.release(s.sid)
                     r.update(mode=mode, sequences=n)

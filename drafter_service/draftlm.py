@@ -26,6 +26,7 @@ import torch
 
 from drafter_service.head import DraftHead
 from drafter_service.vocab import TrimmedVocab
+from models.graphs import CAPTURE_LOCK
 from treeserve.errors import InvalidArgument, ResourceExhausted
 from treeserve.tree import TokenTree
 
@@ -215,7 +216,10 @@ class DraftModel:
 
     @contextmanager
     def _call(self):
-        with self._lock:
+        # CAPTURE_LOCK first, as the draft-ahead worker takes it (outside this lock): a lazy graph
+        # capture made here, or by a target model in this process, then never waits on a thread
+        # that waits on us (models.graphs.CAPTURE_LOCK)
+        with CAPTURE_LOCK, self._lock:
             t0 = time.perf_counter()
             try:
                 yield

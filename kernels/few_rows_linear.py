@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.ssm_common import dot_precision, last_axis_contiguous
+
 MAX_ROWS = 16  # rows of x one launch handles (one 16-row dot tile)
 # (BN output columns, BK reduction width, warps) per program for one row: the best geometric mean
 # over the projection shapes of the 2.7B and 8B benchmark models in an H200 sweep
@@ -95,8 +97,8 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    x = last_axis_contiguous(x)
+    weight = last_axis_contiguous(weight)
     b = bias if bias is not None else weight
     if M == 1:
         bn = block_n or ROW_BLOCK_N
@@ -112,6 +114,6 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     _rows_dot_kernel[(triton.cdiv(N, bn),)](
         x, weight, b, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0), BN=bn, BK=bk,
         STAGES=num_stages or DOT_STAGES, HAS_BIAS=bias is not None,
-        PREC="tf32x3" if x.dtype == torch.float32 else "tf32", num_warps=num_warps or DOT_WARPS,
+        PREC=dot_precision(x.dtype), num_warps=num_warps or DOT_WARPS,
     )
     return y

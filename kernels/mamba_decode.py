@@ -37,9 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import ssm_common
 from kernels.conv_tree import conv_state_commit_ref, tree_conv1d_ref
 from kernels.norms import gated_rms_norm_deferred_ref, gated_rms_norm_ref
-from kernels.ssm_common import as_int32, heads_per_group, limits, pow2, silu, softplus_clamped
+from kernels.ssm_common import as_int32, heads_per_group, last_axis_contiguous, limits, pow2, silu, softplus_clamped
 from kernels.ssm_decode import ssm_chain_update_ref
 
 # elements of SSM state per program (headdim tile x d_state): small tiles keep many programs in
@@ -287,24 +288,26 @@ def mamba_decode_step_deferred_norm(
 ):
     """Triton `mamba_decode_step_deferred_norm`: same contract as its `_ref` twin, same conditions as
     `mamba_decode_step` -> (u (B, d_inner), rstd (B,) fp32)."""
-    d_inner = ssm_state.shape[1] * ssm_state.shape[2]
     return _launch(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, D, dt_bias, dt_limit,
-                   norm_weight, d_inner, norm_eps, arrivals, defer_norm=True)
+                   norm_weight, None, norm_eps, arrivals, defer_norm=True)
 
 
 def _launch(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, D, dt_bias, dt_limit,
-            norm_weight, norm_group_size: int, norm_eps: float, arrivals, defer_norm: bool):
-    """Check, allocate and launch -> (out (B, d_inner), rstd (B,) fp32 when `defer_norm`, else None)."""
+            norm_weight, norm_group_size: int | None, norm_eps: float, arrivals, defer_norm: bool):
+    """Check, allocate and launch -> (out (B, d_inner), rstd (B,) fp32 when `defer_norm`, else None).
+    `norm_group_size` None: one norm group over the whole row (d_inner channels)."""
     H, P, G, N, W = layout(zxbcdt, ssm_state, conv_weight)
     nb = zxbcdt.shape[0]
     d_inner = H * P
+    if norm_group_size is None:
+        norm_group_size = d_inner
     if not 1 <= W <= 4:
         raise ValueError(f"conv width {W} is not in 1..4")
     if d_inner % norm_group_size or norm_group_size % P:
         raise ValueError(f"norm groups of {norm_group_size} channels must be whole heads of {P} within {d_inner}")
     if W > 1 and conv_state.stride(2) != 1:
         raise ValueError("conv_state must be contiguous along its last axis")
-    out = torch.empty(nb, d_inner, dtype=torch.promote_types(norm_weight.dtype, zxbcdt.dtype), device=zxbcdt.device)
+    out = ssm_common.new_output((nb, d_inner), torch.promote_types(norm_weight.dtype, zxbcdt.dtype), zxbcdt.device)
     scale = torch.empty(nb, dtype=torch.float32, device=zxbcdt.device) if defer_norm else None
     if nb == 0:
         return out, scale
@@ -312,7 +315,7 @@ def _launch(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, 
         arrivals = new_arrivals(nb, zxbcdt.device)
     if arrivals.dtype != torch.int32 or arrivals.numel() < nb or not arrivals.is_contiguous():
         raise ValueError(f"arrivals must be {nb} or more contiguous int32 zeros")
-    zxbcdt = zxbcdt if zxbcdt.stride(-1) == 1 else zxbcdt.contiguous()
+    zxbcdt = last_axis_contiguous(zxbcdt)
     conv_weight = conv_weight.contiguous()
     bn = pow2(N, 1)
     bp = max(1, min(pow2(P, 1), STATE_TILE // bn))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.ssm_common import silu
+from kernels.ssm_common import last_axis_contiguous, silu
 
 # one program normalises a whole row (or group) from registers; wider rows than this are refused
 MAX_WIDTH = 32768
@@ -138,11 +138,6 @@ def _block(width: int) -> tuple[int, int]:
     return block, max(1, min(16, block // 512))
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """A 2-D view whose last axis is contiguous (rows may be strided)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def add_rms_norm(h, out, weight, eps: float, multiplier: float = 1.0, norm_dtype=None, out_scale=None):
     """Triton twin of `add_rms_norm_ref`: h, out (T, d), out_scale (T,) fp32 or None ->
     (h' (T, d), x (T, d)); one program per row."""
@@ -150,10 +145,10 @@ def add_rms_norm(h, out, weight, eps: float, multiplier: float = 1.0, norm_dtype
         raise ValueError(f"out_scale must be ({h.shape[0]},) beside an out, got {tuple(out_scale.shape)}")
     T, d = h.shape
     norm_dtype = norm_dtype or (h.dtype if out is None else torch.promote_types(h.dtype, out.dtype))
-    h = _rows(h)
+    h = last_axis_contiguous(h)
     hn = h if out is None else torch.empty(T, d, dtype=torch.promote_types(h.dtype, out.dtype), device=h.device)
     if out is not None:
-        out = _rows(out)
+        out = last_axis_contiguous(out)
     x = torch.empty(T, d, dtype=torch.promote_types(weight.dtype, norm_dtype), device=h.device)
     if T == 0:
         return hn, x
@@ -180,7 +175,7 @@ def gated_rms_norm(y, z, weight, group_size: int, eps: float, out_dtype: torch.d
     T, d = y.shape
     if d % group_size:
         raise ValueError(f"{d} channels do not split into groups of {group_size}")
-    y, z = _rows(y), _rows(z)
+    y, z = last_axis_contiguous(y), last_axis_contiguous(z)
     o = torch.empty(T, d, dtype=torch.promote_types(weight.dtype, out_dtype), device=y.device)
     if T == 0:
         return o

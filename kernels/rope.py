@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.ssm_common import pow2
+
 
 def rope_inv_freq(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
     """(rotary_dim // 2,) fp32 inverse frequencies of the default RoPE."""
@@ -129,7 +131,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq:
     _rope_kernel[(T, Hq + Hk)](
         q, k, qo, ko, positions, inv_freq.float().contiguous(), Hq, float(attention_scaling),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
-        DH=Dh, HALF=half, BD=triton.next_power_of_2(max(Dh - 2 * half, 1)), BH=triton.next_power_of_2(half),
+        DH=Dh, HALF=half, BD=pow2(Dh - 2 * half, 1), BH=triton.next_power_of_2(half),
         num_warps=1,
     )
     return qo, ko

@@ -70,6 +70,12 @@ def as_int32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
+def last_axis_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when its last axis is contiguous (other axes may be strided, e.g. rows of a wider
+    buffer), else a contiguous copy: what kernels that index rows by stride and columns by 1 need."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 @triton.jit
 def softplus_clamped(v, lo, hi):
     """Overflow-safe softplus then clamp; log1p done the accurate way (Goldberg) for tiny exp(v)."""

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tree_index import ancestor_mask, tree_sizes
+from kernels.tree_index import ancestor_mask, packed_rows, tree_sizes
 
 
 # --------------------------------------------------------------------------------------------
@@ -22,20 +22,12 @@ from kernels.tree_index import ancestor_mask, tree_sizes
 # --------------------------------------------------------------------------------------------
 
 
-def _node_rows(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T,) tree index and (T,) local node index of every packed node."""
-    sizes = tree_sizes(cu_seqlens)
-    tree = torch.repeat_interleave(torch.arange(sizes.numel(), device=cu_seqlens.device), sizes, output_size=total)
-    local = torch.arange(total, device=cu_seqlens.device) - cu_seqlens[:-1].long()[tree]
-    return tree, local
-
-
 def write_tree_kv_ref(k_cache, v_cache, k, v, cu_seqlens, slot_idx, cache_lens):
     """In place: node i of tree b goes to `cache[slot_idx[b], cache_lens[b] + i]`.
 
     k_cache, v_cache (S, Lmax, Hkv, Dh); k, v (T, Hkv, Dh).
     """
-    tree, local = _node_rows(cu_seqlens, k.shape[0])
+    tree, local = packed_rows(cu_seqlens, k.shape[0])
     slot = slot_idx.long()[tree]
     pos = cache_lens.long()[tree] + local
     k_cache[slot, pos] = k.to(k_cache.dtype)

@@ -55,9 +55,8 @@ def ancestor_mask(parents: torch.Tensor, cu_seqlens: torch.Tensor, max_nodes: in
 
 def packed_ancestor_mask(parents: torch.Tensor, cu_seqlens: torch.Tensor, max_nodes: int) -> torch.Tensor:
     """(T, N) bool: for packed node t, which local nodes of its own tree are its ancestors-or-self."""
-    m = ancestor_mask(parents, cu_seqlens, max_nodes)
-    sizes = tree_sizes(cu_seqlens)
-    return torch.cat([m[b, : int(sizes[b])] for b in range(m.shape[0])], dim=0)
+    tree, local = packed_rows(cu_seqlens, parents.numel())
+    return ancestor_mask(parents, cu_seqlens, max_nodes)[tree, local]
 
 
 def depths(parents: torch.Tensor, cu_seqlens: torch.Tensor, max_nodes: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.ssm_common import as_int32
-from kernels.tree_index import ancestor_mask, block_nodes, packed_rows
+from kernels.tree_index import block_nodes, packed_ancestor_mask, packed_rows
 
 
 def words_per_row(max_nodes: int) -> int:
@@ -33,8 +33,7 @@ def ancestor_bits_ref(parents: torch.Tensor, cu_seqlens: torch.Tensor, max_nodes
     T = parents.numel()
     W = words_per_row(max_nodes)
     n = int(max_nodes)
-    tree, local = packed_rows(cu_seqlens, T)
-    rows = ancestor_mask(parents, cu_seqlens, n)[tree, local]  # (T, n) bool
+    rows = packed_ancestor_mask(parents, cu_seqlens, n)  # (T, n) bool
     padded = torch.zeros(T, W * 32, dtype=torch.int64, device=parents.device)
     padded[:, :n] = rows.long()
     weights = torch.tensor([1 << k for k in range(32)], dtype=torch.int64, device=parents.device)

@@ -219,27 +219,23 @@ class _StashView(VerifyStash):
     """The shared graph stash as seen by one verify call's pending handles."""
 
     def __init__(self, shared: VerifyStash):
-        for name, t in shared.tensors().items():
-            setattr(self, name, t)
-        self.rows = shared.rows
-        self.widths = shared.widths
+        vars(self).update(vars(shared))  # the same buffers
         self.aliased = True
         self._pendings: list[weakref.ref] = []
 
     def attach(self, pendings) -> None:
         self._pendings = [weakref.ref(p) for p in pendings]
 
+    def _live(self) -> list:
+        return [p for r in self._pendings if (p := r()) is not None and not p.consumed]
+
     def has_live_pending(self) -> bool:
-        return any((p := r()) is not None and not p.consumed for r in self._pendings)
+        return bool(self._live())
 
     def detach_copy(self) -> None:
         # only the rows a live handle can still commit from: a tree of a few nodes should not pay
         # for copying a stash sized for the largest batch
-        live = [p for r in self._pendings if (p := r()) is not None and not p.consumed]
-        used = max((p.row0 + len(p.parents) for p in live), default=0)
-        for name, t in self.tensors().items():
-            setattr(self, name, t[:used].clone())
-        self.rows = used
+        self.own_copies(max((p.row0 + len(p.parents) for p in self._live()), default=0))
         self.aliased = False
 
 

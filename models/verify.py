@@ -20,11 +20,11 @@ from models.state import StatePool
 class VerifyStash:
     """Per-node commit inputs of one verify call: `T` packed rows.
 
-    Views: xbc (T, n_mamba, conv_dim), dt (T, n_mamba, H), x (T, n_mamba, d_inner), B (T, n_mamba, G*N);
-    k, v (T, n_attn, Hkv, Dh). All in the model dtype. xbc and dt sit side by side in one buffer, as
-    they do in a layer's in_proj output (z | xBC | dt), and so do x and B in its conv output
-    (x | B | C): a Mamba2 layer stashes with two copies, not four (each copy is a launch, and a
-    verify runs them for every layer).
+    xbc_dt (T, n_mamba, conv_dim + H): a layer's raw conv inputs | raw dt; xB (T, n_mamba,
+    d_inner + G*N): its x | B; k, v (T, n_attn, Hkv, Dh). All in the model dtype. Each pair sits side
+    by side as in a layer's in_proj output (z | xBC | dt) and conv output (x | B | C), so a Mamba2
+    layer stashes with two copies, not four (each copy is a launch, and a verify runs them for every
+    layer); the commit splits the columns.
     """
 
     def __init__(self, pool: StatePool, T: int, dtype: torch.dtype):
@@ -35,27 +35,9 @@ class VerifyStash:
             Lm = pool.n_mamba
             self.xbc_dt = torch.empty(T, Lm, m.conv_dim + m.n_heads, dtype=dtype, device=dev)
             self.xB = torch.empty(T, Lm, m.d_inner + m.n_groups * m.d_state, dtype=dtype, device=dev)
-        self.widths = (m.conv_dim, m.d_inner) if pool.n_mamba else (0, 0)  # where the buffers split
         if pool.n_attn:
             self.k = torch.empty(T, pool.n_attn, a.n_kv_heads, a.head_dim, dtype=dtype, device=dev)
             self.v = torch.empty_like(self.k)
-
-    # the commit's inputs, as views of the two Mamba2 buffers
-    @property
-    def xbc(self) -> torch.Tensor:
-        return self.xbc_dt[..., : self.widths[0]]
-
-    @property
-    def dt(self) -> torch.Tensor:
-        return self.xbc_dt[..., self.widths[0]:]
-
-    @property
-    def x(self) -> torch.Tensor:
-        return self.xB[..., : self.widths[1]]
-
-    @property
-    def B(self) -> torch.Tensor:
-        return self.xB[..., self.widths[1]:]
 
     def put_mamba(self, layer: int, xbc_dt, xB) -> None:
         """Mamba2 block number `layer`: xbc_dt (T, conv_dim + H) = in_proj's xBC | dt columns,
@@ -71,16 +53,17 @@ class VerifyStash:
         self.v[:T, layer].copy_(v)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The buffers themselves (xbc, dt, x and B are views of the first two)."""
         return {n: getattr(self, n) for n in ("xbc_dt", "xB", "k", "v") if n in self.__dict__}
 
     def attach(self, pendings) -> None:
         """Told which handles refer to it (graph stashes track them; a private stash needs not)."""
 
-    def detach_copy(self) -> None:
-        """Own private copies (the current tensors are buffers a CUDA graph will overwrite)."""
+    def own_copies(self, rows: int) -> None:
+        """Replace the buffers by private copies of their first `rows` rows (they may be buffers a
+        CUDA graph will overwrite)."""
         for name, t in self.tensors().items():
-            setattr(self, name, t.clone())
+            setattr(self, name, t[:rows].clone())
+        self.rows = rows
 
 
 @dataclass(eq=False)
@@ -164,19 +147,20 @@ def commit(
     stashes = [p.stash for p, _ in items]
     same = all(s is stashes[0] for s in stashes)
 
-    def gather(name: str, flat_idx: torch.Tensor, rows: list[list[int]]) -> torch.Tensor:
-        """Stash rows of tensor `name`, item after item -> (sum of len(rows[b]), ...)."""
+    def gather(name: str, flat_idx: torch.Tensor, rows: list[list[int]], cols=slice(None)) -> torch.Tensor:
+        """Stash rows of buffer `name` (its columns `cols`), item after item -> (sum of len(rows[b]), ...)."""
         if same:
-            return getattr(stashes[0], name)[flat_idx]
-        parts = [getattr(st, name)[torch.tensor(rs, dtype=torch.int64).to(dev)] for st, rs in zip(stashes, rows)]
+            return getattr(stashes[0], name)[..., cols][flat_idx]
+        parts = [getattr(st, name)[..., cols][torch.tensor(rs, dtype=torch.int64).to(dev)]
+                 for st, rs in zip(stashes, rows)]
         return torch.cat(parts, 0)
 
     if pool.n_mamba:
         m, Lm = pool.mamba, pool.n_mamba
-        x = gather("x", pad_idx, padded).view(Bn, K, Lm * m.n_heads, m.head_dim)
-        dt = gather("dt", pad_idx, padded).view(Bn, K, Lm * m.n_heads)
-        Bp = gather("B", pad_idx, padded).view(Bn, K, Lm * m.n_groups, m.d_state)
-        xbc = gather("xbc", pad_idx, padded).view(Bn, K, Lm * m.conv_dim)
+        x = gather("xB", pad_idx, padded, slice(None, m.d_inner)).view(Bn, K, Lm * m.n_heads, m.head_dim)
+        Bp = gather("xB", pad_idx, padded, slice(m.d_inner, None)).view(Bn, K, Lm * m.n_groups, m.d_state)
+        xbc = gather("xbc_dt", pad_idx, padded, slice(None, m.conv_dim)).view(Bn, K, Lm * m.conv_dim)
+        dt = gather("xbc_dt", pad_idx, padded, slice(m.conv_dim, None)).view(Bn, K, Lm * m.n_heads)
         ops.ssm_state_commit(pool.ssm_folded(), slot_idx, x, dt, Bp, path_len, A_all, dt_bias_all, dt_limit)
         ops.conv_state_commit(pool.conv_folded(), slot_idx, xbc, path_len)
     if pool.n_attn:

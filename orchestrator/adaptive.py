@@ -68,10 +68,6 @@ class CostModel:
         prev = self._overhead[speculative]
         self._overhead[speculative] = over if prev is None else 0.8 * prev + 0.2 * over
 
-    @property
-    def observed(self) -> bool:
-        return self._w > 0.0
-
     def fit(self) -> tuple[float, float]:
         """(a, c): intercept and ms per node, both >= 0. Flat (c = 0) until nodes vary."""
         if self._w == 0.0:
@@ -148,11 +144,12 @@ class AdaptivePolicy:
         speculative = other_nodes > other_tokens  # does the rest of the batch speculate?
         scores = {b: (self.estimate(b, shared) + other_tokens)
                   / max(1e-6, cost.step_ms(other_nodes + b, speculative or b > 1)) for b in self.budgets}
-        self.best = max(self.budgets, key=lambda b: (scores[b], -b))
+        rank = lambda b: (scores[b], -b)  # the best score; on a tie, the smaller budget
+        self.best = max(self.budgets, key=rank)
         every = 2 if self.steps <= self.warmup else self.probe_every
         if every and (self.steps + self.phase) % every == 0 and len(self.budgets) > 1:
             if self.best == 1:  # off: re-check the most promising tree, not just the smallest
-                return max(self.budgets[1:], key=lambda b: (scores[b], -b))
+                return max(self.budgets[1:], key=rank)
             return self._neighbour(self.best)
         return self.best
 

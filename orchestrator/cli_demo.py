@@ -79,9 +79,9 @@ def speculative_requests(prompt: str, max_new_tokens: int, speculation: str) -> 
             for label, mode in RUNS[speculation]]
 
 
-def _decode_steps(res: Result) -> list[tuple[int, int, float]]:
-    """(tree nodes, tokens, ms) of each verify step (the prefill message has no tree)."""
-    return [s for s in res.steps if s[0] > 0]
+def _decode_steps(results: list[Result]) -> list[tuple[int, int, float]]:
+    """(tree nodes, tokens, ms) of each verify step of `results` (the prefill message has no tree)."""
+    return [s for r in results for s in r.steps if s[0] > 0]
 
 
 def _rate(results: list[Result]) -> float:
@@ -92,14 +92,14 @@ def _rate(results: list[Result]) -> float:
 
 
 def _ms_per_token(results: list[Result]) -> float:
-    steps = [s for r in results for s in _decode_steps(r)]
+    steps = _decode_steps(results)
     tokens = sum(t for _, t, _ in steps)
     return sum(ms for _, _, ms in steps) / tokens if tokens else 0.0
 
 
 def adaptive_note(plain: list[Result], fixed: list[Result], adaptive: list[Result], fixed_label: str) -> str:
     """What the adaptive policy chose, and the measurements that explain it."""
-    steps = [s for r in adaptive for s in _decode_steps(r)]
+    steps = _decode_steps(adaptive)
     trees = sorted(n for n, _, _ in steps if n > 1)
     if not steps:
         return "adaptive policy: no decode steps"

@@ -26,7 +26,8 @@ import grpc
 
 from treeserve.acceptance import Outcome
 from treeserve.server import channel as make_channel
-from treeserve.tree import TokenTree, TreeError, tree_from_proto
+from treeserve.stream_session import drain
+from treeserve.tree import TreeError, tree_from_proto
 from treeserve.v1 import treeserve_pb2 as pb
 from treeserve.v1 import treeserve_pb2_grpc as pbg
 
@@ -238,7 +239,7 @@ class DraftLink:
         except (grpc.FutureTimeoutError, grpc.RpcError):
             return False
         send_q: queue.Queue = queue.Queue()
-        responses = stub.Speculate(_drain(send_q))
+        responses = stub.Speculate(drain(send_q))
         with self._cv:
             self._stub = stub
             self._send_q = send_q
@@ -318,14 +319,6 @@ class DraftLink:
             if not any(s.inflight is not None for s in self._seqs.values()):
                 self.lagging = False
             self._cv.notify_all()
-
-
-def _drain(q: queue.Queue):
-    while True:
-        item = q.get()
-        if item is None:
-            return
-        yield item
 
 
 def _describe(exc: grpc.RpcError) -> str:

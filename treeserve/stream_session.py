@@ -66,7 +66,7 @@ class StreamSession:
         timeout = self.timeout if timeout is None else timeout
         if self._call is None:
             self._requests = queue.SimpleQueue()
-            self._call = self._method(_drain(self._requests))
+            self._call = self._method(drain(self._requests))
         call = self._call
         self._requests.put(request)
         if timeout is not None:
@@ -81,13 +81,14 @@ class StreamSession:
         if timeout is not None and self._deadlines.disarm(call):
             failure = StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no response within {timeout:g} s")
         if failure is not None:
-            self._end(failure)
+            self.error = failure
+            self._end()
             raise failure
         return response
 
     def close(self) -> None:
         """End the stream and the deadline thread; the session sends nothing more."""
-        self._end(self.error)
+        self._end()
         self._deadlines.close()
         self._closed = True
 
@@ -97,22 +98,20 @@ class StreamSession:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _end(self, error: grpc.RpcError | None) -> None:
+    def _end(self) -> None:
         """Stop the open stream, if any: end its request generator (gRPC's sending thread waits
         on it) and cancel the call (the server drops the stream's queued work)."""
-        self.error = error
         if self._call is not None:
-            self._requests.put(_END)
+            self._requests.put(None)
             self._call.cancel()
             self._call = self._requests = None
 
 
-_END = object()  # ends a stream's request generator
-
-
-def _drain(requests: queue.SimpleQueue) -> Iterator:
-    while (request := requests.get()) is not _END:
-        yield request
+def drain(q: queue.Queue | queue.SimpleQueue) -> Iterator:
+    """Yield the items put on `q` until a None (the end of a stream's requests: a request is
+    never None)."""
+    while (item := q.get()) is not None:
+        yield item
 
 
 class _Deadlines:

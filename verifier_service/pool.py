@@ -86,8 +86,7 @@ class LifoExecutor(Executor):
         """The most recently idle preferred worker, else the most recently idle one (lock held)."""
         if self._prefer is not None:
             for i in range(len(self._idle) - 1, -1, -1):
-                ident = self._idle[i].ident
-                if ident is not None and self._prefer(ident):
+                if self._prefer(self._idle[i].ident):  # set: a worker is idle only after it ran
                     return self._idle.pop(i)
         return self._idle.pop()
 

@@ -292,10 +292,12 @@ class VerifierServer:
     def wait(self) -> None:
         """Serve until SIGTERM/SIGINT."""
         self.server.wait()
-        self.batcher.stop()
-        self._pool.shutdown(wait=False)
+        self._close()
 
     def stop(self) -> None:
         self.server.stop(grace=1.0)
+        self._close()
+
+    def _close(self) -> None:
         self.batcher.stop()
         self._pool.shutdown(wait=False)

@@ -1,6 +1,6 @@
-"""Projections. A few rows on CUDA (decode steps, small trees) are a weight stream, which our kernels
-read faster than cuBLAS does (kernels/few_rows_linear.py, measured in BENCHMARKS.md); everything
-else is F.linear."""
+"""Projections. A single row on CUDA (a decode step of one sequence, a one-node tree) is a weight
+stream, which our kernel reads faster than cuBLAS does (kernels/few_rows_linear.py, measured in
+BENCHMARKS.md); everything else is F.linear."""
 from __future__ import annotations
 
 import torch

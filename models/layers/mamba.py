@@ -50,9 +50,10 @@ class MambaMixer(nn.Module):
 
     # ---- pieces -------------------------------------------------------------------------------
     def _project(self, h: torch.Tensor):
+        """h (T, d_model) -> (zxbcdt (T, in_proj_dim), and its z, xBC, dt column views)."""
         s = self.spec
-        z, xbc, dt = self.in_proj(h).split([s.d_inner, s.conv_dim, s.n_heads], dim=-1)
-        return z, xbc, dt
+        zxbcdt = self.in_proj(h)
+        return (zxbcdt, *zxbcdt.split([s.d_inner, s.conv_dim, s.n_heads], dim=-1))
 
     def _split_conv(self, xbc: torch.Tensor):
         s = self.spec
@@ -75,7 +76,7 @@ class MambaMixer(nn.Module):
         around the scan runs on the packed batch.
         """
         s = self.spec
-        z, xbc, dt = self._project(h)
+        _, z, xbc, dt = self._project(h)
         ssm, conv = pool.ssm_layer(self.layer), pool.conv_layer(self.layer)
         ys = []
         start = 0
@@ -114,8 +115,7 @@ class MambaMixer(nn.Module):
     def verify(self, h: torch.Tensor, batch: Packed, pool: StatePool, stash) -> torch.Tensor:
         """h (T, d_model) packed tree nodes -> (T, d_model); state untouched, commit data stashed."""
         s = self.spec
-        zxbcdt = self.in_proj(h)
-        z, xbc, dt = zxbcdt.split([s.d_inner, s.conv_dim, s.n_heads], dim=-1)
+        zxbcdt, z, xbc, dt = self._project(h)
         conv_out = ops.tree_conv1d(
             xbc, self.conv_weight, self.conv_bias, pool.conv_layer(self.layer),
             batch.parents, batch.cu_seqlens, batch.slot_idx, batch.max_nodes,

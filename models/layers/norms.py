@@ -26,9 +26,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, norm_dtype: torc
 def add_rms_norm(h, out, weight, eps: float, multiplier: float = 1.0, norm_dtype=None):
     """The residual stream at a block boundary: h (T, d), the block's output out (T, d) or RowScaled ->
     (h + multiplier * out, rms_norm(that, weight, eps, norm_dtype))."""
-    if isinstance(out, RowScaled):
-        return ops.add_rms_norm(h, out.value, weight, eps, multiplier, norm_dtype, out_scale=out.scale)
-    return ops.add_rms_norm(h, out, weight, eps, multiplier, norm_dtype)
+    out, scale = out if isinstance(out, RowScaled) else (out, None)
+    return ops.add_rms_norm(h, out, weight, eps, multiplier, norm_dtype, out_scale=scale)
 
 
 def gated_rms_norm(

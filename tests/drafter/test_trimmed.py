@@ -17,6 +17,7 @@ from drafter_service.head import DraftHead
 from drafter_service.vocab import TrimmedVocab
 from tests.drafter.compare import assert_same_replies
 from tests.drafter.test_ahead import drive
+from tests.verifier.reference import greedy as greedy_reference
 from treeserve.acceptance import Outcome, follow_target
 from treeserve.sampling import Sampling
 
@@ -181,17 +182,6 @@ def test_draws_follow_without_replacement_probabilities_of_the_reported_q(draft_
 
 
 # ---- end to end: the target's greedy output, token for token ---------------------------------------
-def greedy_reference(target, prompt, n):
-    slot = target.pool.alloc()
-    try:
-        out = [int(target.prefill([slot], [prompt])[0].argmax())]
-        while len(out) < n:
-            out.append(int(target.decode([slot], [out[-1]])[0].argmax()))
-        return out
-    finally:
-        target.pool.free(slot)
-
-
 def speculate(target, drafter, prompt, n):
     """Greedy speculative decoding in this process; returns (tokens, target forwards)."""
     slot = target.pool.alloc()

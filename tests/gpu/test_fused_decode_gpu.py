@@ -37,9 +37,6 @@ NB_LARGE = 128
 STEPS = 40
 
 
-
-
-
 # The state update dt x (x) B takes x and B as the conv's bf16 outputs. The float64 oracle does not
 # round them (each rounding moves a factor by up to 2^-8), and the kernel's fp32 conv and SiLU (FMA,
 # fast exp) differ from PyTorch's by a few fp32 ulps, enough to round a factor to the other bf16
@@ -162,7 +159,7 @@ def test_fused_step_in_a_cuda_graph():
     """Captured once (workspace allocated inside the capture), replayed on changing inputs."""
     args = case("mamba2-2.7b", 4, seed=3)
     arrivals = torch.zeros(4, dtype=torch.int32, device=DEV)
-    static = {k: v for k, v in args.items()}
+    static = dict(args)
     mamba_decode_step(**{**static, "conv_state": static["conv_state"].clone(),
                          "ssm_state": static["ssm_state"].clone()}, arrivals=arrivals)  # compile
     graph = torch.cuda.CUDAGraph()

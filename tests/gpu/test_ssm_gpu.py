@@ -53,8 +53,6 @@ def poison(monkeypatch):
     monkeypatch.setattr(ssm_common, "new_output", nan_output)
 
 
-
-
 TREES = [(64, "random"), (16, "bushy"), (1, "single"), (7, "chain"), (40, "deep"), (130, "random"), (256, "bushy")]
 
 

@@ -1,7 +1,7 @@
 """The fused Mamba2 decode step: Triton (interpreted) vs its PyTorch twin (the unfused composition of
 tree_conv1d, conv_state_commit, ssm_chain_update and gated_rms_norm) vs a float64 oracle, and vs the
 unfused Triton kernels. Interpreted programs run one after another, so the "last arriver" epilogue
-runs here, but races between programs only show on a GPU (tests/gpu/test_ssm_gpu.py)."""
+runs here, but races between programs only show on a GPU (tests/gpu/test_fused_decode_gpu.py)."""
 from __future__ import annotations
 
 import pytest

@@ -42,8 +42,9 @@ def check(spec, seed, max_nodes=None):
     assert torch.equal(ref, want), "reference vs parent walks"
     assert torch.equal(out, want), "triton vs parent walks"
     # the bits are the same relation as the dense masks the other twins use
-    assert torch.equal(ancestor_mask_from_bits(out, cu, mx), ancestor_mask(parents, cu, mx))
-    popcount = ancestor_mask_from_bits(out, cu, mx).sum(dim=2)  # (B, N)
+    from_bits = ancestor_mask_from_bits(out, cu, mx)
+    assert torch.equal(from_bits, ancestor_mask(parents, cu, mx))
+    popcount = from_bits.sum(dim=2)  # (B, N)
     sizes = (cu[1:] - cu[:-1]).tolist()
     packed = torch.cat([popcount[b, :n] for b, n in enumerate(sizes)]) - 1
     assert torch.equal(packed, depths(parents, cu, mx))

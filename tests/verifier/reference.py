@@ -20,16 +20,19 @@ class Reference:
         return RefSequence(self.lm, list(prompt), s)
 
     def greedy(self, prompt, n: int) -> list[int]:
-        """Plain greedy decoding: the first n tokens after the prompt."""
-        lm = self.lm
-        slot = lm.pool.alloc()
-        try:
-            out = [int(lm.prefill([slot], [list(prompt)])[0].argmax())]
-            while len(out) < n:
-                out.append(int(lm.decode([slot], [out[-1]])[0].argmax()))
-            return out
-        finally:
-            lm.pool.free(slot)
+        return greedy(self.lm, prompt, n)
+
+
+def greedy(lm, prompt, n: int) -> list[int]:
+    """Plain greedy decoding with runtime `lm` in a slot of its own: the first n tokens after the prompt."""
+    slot = lm.pool.alloc()
+    try:
+        out = [int(lm.prefill([slot], [list(prompt)])[0].argmax())]
+        while len(out) < n:
+            out.append(int(lm.decode([slot], [out[-1]])[0].argmax()))
+        return out
+    finally:
+        lm.pool.free(slot)
 
 
 class RefSequence:

@@ -179,26 +179,39 @@ def test_window_opens_when_the_model_comes_free(make):
     first = [batcher.verify([one[a]]), batcher.verify([one[b]])]  # separate requests, one forward
     batcher.start()
     assert [f.result(30).batch_sequences for f in first] == [2, 2]
-    holding, release = threading.Event(), threading.Event()
-
-    def hold():
-        holding.set()
-        return release.wait(30)
-
     with ThreadPoolExecutor(3) as rpc:
-        held = rpc.submit(lambda: batcher.submit(hold).result(30))  # stands in for b's forward
-        assert holding.wait(10)
+        held, release = _hold_model(rpc, batcher)  # stands in for b's forward
         fa = rpc.submit(lambda: batcher.verify([one[a]]).result(30))
-        deadline = time.monotonic() + 10
-        while batcher.queued < 1:
-            time.sleep(0.01)
-            assert time.monotonic() < deadline
+        _wait_queued(batcher, 1)
         time.sleep(0.6)  # s0 has been queued for longer than the window
         release.set()
         time.sleep(0.05)
         fb = rpc.submit(lambda: batcher.verify([one[b]]).result(30))
         assert held.result(30) is True
         assert fa.result(30).batch_sequences == fb.result(30).batch_sequences == 2
+
+
+def _hold_model(rpc, batcher):
+    """Submit, through `rpc` (a thread pool standing in for gRPC's), an operation that holds the
+    model until released; returns (the future of its result: True once released, the release
+    event), once the operation runs."""
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        holding.set()
+        return release.wait(30)
+
+    held = rpc.submit(lambda: batcher.submit(hold).result(30))
+    assert holding.wait(10)
+    return held, release
+
+
+def _wait_queued(batcher, n):
+    """Wait (up to 10 s) until at least `n` requests are queued for the model."""
+    deadline = time.monotonic() + 10
+    while batcher.queued < n:
+        time.sleep(0.01)
+        assert time.monotonic() < deadline
 
 
 def _record_threads(engine):
@@ -241,22 +254,12 @@ def test_requests_arriving_while_the_model_is_busy_share_the_next_forward(make):
     seqs = _prefill(engine, 4)
     calls = _record_threads(engine)
     batcher.start()
-    holding, release = threading.Event(), threading.Event()
-
-    def hold():
-        holding.set()
-        return release.wait(30)
-
     with ThreadPoolExecutor(5) as rpc:
         # an operation holds the model (on its caller's thread) until released
-        held = rpc.submit(lambda: batcher.submit(hold).result(30))
-        assert holding.wait(10)
-        deadline = time.monotonic() + 10
+        held, release = _hold_model(rpc, batcher)
         futs = [rpc.submit(lambda s=s: batcher.verify([VerifyWork(s[0], s[1], TokenTree.single(s[2]))]).result(30))
                 for s in seqs]
-        while batcher.queued < len(seqs):
-            time.sleep(0.01)
-            assert time.monotonic() < deadline
+        _wait_queued(batcher, len(seqs))
         release.set()
         assert held.result(30) is True
         replies = [f.result(30) for f in futs]
@@ -270,20 +273,10 @@ def test_stop_while_a_caller_holds_the_model_finishes_what_was_queued(make):
     engine, batcher = make()
     ((sid, L, root),) = _prefill(engine, 1)
     batcher.start()
-    holding, release = threading.Event(), threading.Event()
-
-    def hold():
-        holding.set()
-        return release.wait(30)
-
     with ThreadPoolExecutor(3) as rpc:
-        held = rpc.submit(lambda: batcher.submit(hold).result(30))
-        assert holding.wait(10)
+        held, release = _hold_model(rpc, batcher)
         queued = rpc.submit(lambda: batcher.verify([VerifyWork(sid, L, TokenTree.single(root))]).result(30))
-        deadline = time.monotonic() + 10
-        while batcher.queued < 1:
-            time.sleep(0.01)
-            assert time.monotonic() < deadline
+        _wait_queued(batcher, 1)
         stopping = rpc.submit(batcher.stop)
         time.sleep(0.05)
         release.set()

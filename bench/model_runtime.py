@@ -305,6 +305,7 @@ def main() -> None:
     ap.add_argument("--check-only", action="store_true", help="stop after the logits check")
     ap.add_argument("--init-std", type=float, default=None, help="initializer_range of the random weights")
     args = ap.parse_args()
+    from kernels import pdl
     from models import HybridLM
 
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -323,6 +324,7 @@ def main() -> None:
         "layers": args.layers or "all",
         "init_std": model.config.initializer_range,
         "device": torch.cuda.get_device_name(),
+        "programmatic_dependent_launch": pdl.enabled(torch.device("cuda")),  # TREESERVE_PDL=0 turns it off
         "config": lm.config.describe(),
         "params": sum(p.numel() for p in lm.parameters()),
         "prompt": PROMPT,

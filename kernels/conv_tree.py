@@ -14,6 +14,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import release_next, wait_for_previous
 from kernels.tree_index import tree_sizes
 
 
@@ -103,7 +105,10 @@ def _tree_conv1d_kernel(
     D,
     stride_xt, stride_wd, stride_ss, stride_sd, stride_ot,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    release_next(PDL)
+    wait_for_previous(PDL)  # every input below may come from the kernel before
     tile = tl.program_id(0)
     b = tl.program_id(1)
     dblk = tl.program_id(2)
@@ -181,6 +186,7 @@ def tree_conv1d(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, ma
         D,
         xbc.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
         W=W, HAS_BIAS=bias is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+        PDL=pdl.enabled(xbc.device), launch_pdl=pdl.enabled(xbc.device),
     )
     return out
 
@@ -191,7 +197,10 @@ def _conv_commit_kernel(
     D,
     stride_ss, stride_sd, stride_xb, stride_xk,
     WM1: tl.constexpr, WP: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    release_next(PDL)
+    wait_for_previous(PDL)  # every input below may come from the kernel before
     b = tl.program_id(0)
     dblk = tl.program_id(1)
     slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -231,6 +240,7 @@ def conv_state_commit(conv_state, slot_idx, xbc_path, path_len):
         D,
         conv_state.stride(0), conv_state.stride(1), xbc_path.stride(0), xbc_path.stride(1),
         WM1=WM1, WP=triton.next_power_of_2(WM1), BLOCK_D=BLOCK_D,
+        PDL=pdl.enabled(conv_state.device), launch_pdl=pdl.enabled(conv_state.device),
     )
 
 

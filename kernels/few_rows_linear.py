@@ -17,13 +17,19 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import release_next, wait_for_previous
 from kernels.ssm_common import dot_precision, last_axis_contiguous
 
 MAX_ROWS = 16  # rows of x one launch handles (one 16-row dot tile)
-# (BN output columns, BK reduction width, warps) per program for one row: the best geometric mean
-# over the projection shapes of the 2.7B and 8B benchmark models in an H200 sweep
-# (bench.few_rows_linear), 0.80-0.96x cuBLAS's time on every shape
-ROW_BLOCK_N, ROW_BLOCK_K, ROW_WARPS = 4, 1024, 2
+# One row: (least N, BN output columns, BK reduction width) per program, by the layer's output
+# width N, and warps per program. From an H200 sweep timed the way decode runs them (a CUDA graph of
+# back-to-back launches under PDL; BENCHMARKS.md, fourth round): within 1.05x of the best of 31
+# configurations on every projection shape of the 2.7B and 8B benchmark models but the 8B kv
+# projection (1.15x). Narrower programs for narrow layers keep enough of them loading at once;
+# each thread keeps 16-32 fp32 partial sums.
+ROW_TILES = ((4096, 4, 1024), (2048, 2, 1024), (0, 1, 2048))
+ROW_WARPS = 4
 # the same for the dot path (2..MAX_ROWS rows), and its pipeline depth
 DOT_BLOCK_N, DOT_BLOCK_K, DOT_WARPS, DOT_STAGES = 32, 256, 4, 4
 
@@ -38,16 +44,21 @@ def few_rows_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 @triton.jit
 def _one_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_wn, BN: tl.constexpr, BK: tl.constexpr,
-                    HAS_BIAS: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+    release_next(PDL)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = n < N
     k = tl.arange(0, BK)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * s_wn
-    acc = tl.zeros((BN, BK), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    # the first weight tile does not depend on the kernel before: under PDL it loads while that
+    # kernel finishes. Each weight element is read once, by one program: do not keep it in L2 at
+    # x's expense.
+    w0 = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0, eviction_policy="evict_first")
+    wait_for_previous(PDL)
+    acc = w0.to(tl.float32) * tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+    for k0 in range(BK, K, BK):
         kk = k0 + k
         k_ok = kk < K
-        # each weight element is read once, by one program: do not keep it in L2 at x's expense
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
                     eviction_policy="evict_first").to(tl.float32)
         acc += w * tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
@@ -59,7 +70,10 @@ def _one_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_wn, BN: tl.constexpr, BK
 
 @triton.jit
 def _rows_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym, BN: tl.constexpr,
-                     BK: tl.constexpr, STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+                     BK: tl.constexpr, STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
+                     PDL: tl.constexpr):
+    release_next(PDL)
+    wait_for_previous(PDL)  # every input below may come from the kernel before
     BM: tl.constexpr = 16  # the smallest dot tile; rows past M are masked to zero
     m = tl.arange(0, BM)
     m_ok = m < M
@@ -79,6 +93,11 @@ def _rows_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym, BN: 
         acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + m[:, None] * s_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
+
+
+def one_row_tile(N: int) -> tuple[int, int]:
+    """(BN, BK) of the one-row kernel for a layer of N outputs (see ROW_TILES)."""
+    return next((bn, bk) for least, bn, bk in ROW_TILES if N >= least)
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -101,10 +120,12 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     weight = last_axis_contiguous(weight)
     b = bias if bias is not None else weight
     if M == 1:
-        bn = block_n or ROW_BLOCK_N
+        bn, bk = one_row_tile(N)
+        bn, bk = block_n or bn, block_k or bk
+        use_pdl = pdl.enabled(x.device)
         _one_row_kernel[(triton.cdiv(N, bn),)](
-            x, weight, b, y, N, K, weight.stride(0), BN=bn, BK=block_k or ROW_BLOCK_K,
-            HAS_BIAS=bias is not None, num_warps=num_warps or ROW_WARPS,
+            x, weight, b, y, N, K, weight.stride(0), BN=bn, BK=bk,
+            HAS_BIAS=bias is not None, PDL=use_pdl, launch_pdl=use_pdl, num_warps=num_warps or ROW_WARPS,
         )
         return y
     bn = block_n or DOT_BLOCK_N
@@ -114,6 +135,7 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     _rows_dot_kernel[(triton.cdiv(N, bn),)](
         x, weight, b, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0), BN=bn, BK=bk,
         STAGES=num_stages or DOT_STAGES, HAS_BIAS=bias is not None,
-        PREC=dot_precision(x.dtype), num_warps=num_warps or DOT_WARPS,
+        PREC=dot_precision(x.dtype), PDL=pdl.enabled(x.device), launch_pdl=pdl.enabled(x.device),
+        num_warps=num_warps or DOT_WARPS,
     )
     return y

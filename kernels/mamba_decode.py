@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import ssm_common
+from kernels import pdl, ssm_common
+from kernels.pdl import release_next, wait_for_previous
 from kernels.conv_tree import conv_state_commit_ref, tree_conv1d_ref
 from kernels.norms import gated_rms_norm_deferred_ref, gated_rms_norm_ref
 from kernels.ssm_common import as_int32, heads_per_group, last_axis_contiguous, limits, pow2, silu, softplus_clamped
@@ -123,25 +124,45 @@ def _gated_inputs_ref(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv
 
 
 @triton.jit
-def _conv_tap_sum(xbc_row, st, w_ptr, ch, ok, s_cd, s_cw, s_w, W: tl.constexpr):
-    """Depthwise conv of channels `ch` over [window | new input], in tree_conv1d's order (the new
-    input first, then the window from newest to oldest). -> (fp32 sum, raw new input)."""
-    new = tl.load(xbc_row + ch, mask=ok, other=0.0)
-    acc = new.to(tl.float32) * tl.load(w_ptr + ch * s_w + (W - 1), mask=ok, other=0.0).to(tl.float32)
-    for s in tl.static_range(1, W):
-        col = W - 1 - s
-        old = tl.load(st + ch * s_cd + col * s_cw, mask=ok, other=0.0).to(tl.float32)
-        acc += old * tl.load(w_ptr + ch * s_w + col, mask=ok, other=0.0).to(tl.float32)
-    return acc, new
+def _conv_window(st, w_ptr, b_ptr, ch, ok, s_cd, s_cw, s_w, W: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """What the depthwise conv of channels `ch` needs besides the new input: the window columns
+    newest first (o1, o2, o3; zeros past the width) with their taps (w1, w2, w3), the new input's
+    tap w0, and the bias. Kernels of the same step never write these (a layer's window moves only in
+    its own step kernel), so they load before the wait for the kernel before."""
+    zero = tl.zeros(ch.shape, dtype=tl.float32)
+    o1, o2, o3, w1, w2, w3, bias = zero, zero, zero, zero, zero, zero, zero
+    w0 = tl.load(w_ptr + ch * s_w + (W - 1), mask=ok, other=0.0).to(tl.float32)
+    if W > 1:
+        o1 = tl.load(st + ch * s_cd + (W - 2) * s_cw, mask=ok, other=0.0).to(tl.float32)
+        w1 = tl.load(w_ptr + ch * s_w + (W - 2), mask=ok, other=0.0).to(tl.float32)
+    if W > 2:
+        o2 = tl.load(st + ch * s_cd + (W - 3) * s_cw, mask=ok, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + ch * s_w + (W - 3), mask=ok, other=0.0).to(tl.float32)
+    if W > 3:
+        o3 = tl.load(st + ch * s_cd + (W - 4) * s_cw, mask=ok, other=0.0).to(tl.float32)
+        w3 = tl.load(w_ptr + ch * s_w + (W - 4), mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + ch, mask=ok, other=0.0).to(tl.float32)
+    return w0, o1, w1, o2, w2, o3, w3, bias
 
 
 @triton.jit
-def _conv_silu(xbc_row, st, w_ptr, b_ptr, ch, ok, s_cd, s_cw, s_w, W: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """SiLU(conv + bias) of channels `ch`, rounded to the activation dtype (as tree_conv1d's output
-    is) and returned in fp32, with the raw new input."""
-    acc, new = _conv_tap_sum(xbc_row, st, w_ptr, ch, ok, s_cd, s_cw, s_w, W)
+def _conv_silu(xbc_row, ch, ok, window, W: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """SiLU(conv + bias) of channels `ch` over [window | new input] (`window` from `_conv_window`),
+    summed in tree_conv1d's order (the new input first, then the window from newest to oldest),
+    rounded to the activation dtype (as tree_conv1d's output is) and returned in fp32, with the raw
+    new input."""
+    w0, o1, w1, o2, w2, o3, w3, bias = window
+    new = tl.load(xbc_row + ch, mask=ok, other=0.0)
+    acc = new.to(tl.float32) * w0
+    if W > 1:
+        acc += o1 * w1
+    if W > 2:
+        acc += o2 * w2
+    if W > 3:
+        acc += o3 * w3
     if HAS_BIAS:
-        acc += tl.load(b_ptr + ch, mask=ok, other=0.0).to(tl.float32)
+        acc += bias
     return silu(acc).to(xbc_row.dtype.element_ty).to(tl.float32), new
 
 
@@ -172,9 +193,11 @@ def _mamba_step_kernel(
     P: tl.constexpr, N: tl.constexpr, W: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_CONV_BIAS: tl.constexpr, HAS_D: tl.constexpr, EPI: tl.constexpr, PARTS: tl.constexpr,
     DEFER_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """DEFER_NORM: write w * gated to out and the row's rstd to scale_ptr (one norm group), instead
     of normalising the row in the last program."""
+    release_next(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     pt = tl.program_id(2)
@@ -183,42 +206,50 @@ def _mamba_step_kernel(
     DI = H * P
     g = h // heads_per_group
     b64 = b.to(tl.int64)
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    row = zx_ptr + b64 * s_zx  # z | xBC | dt of this sequence
-    xbc_row = row + DI
-    st = conv_ptr + slot * s_cs
-
-    # ---- conv: this program's x channels (owned: read, then moved on) and its group's B, C (read only)
     offs_p = pt * BP + tl.arange(0, BP)
     p_ok = offs_p < P
     cx = h * P + offs_p
     offs_n = tl.arange(0, BN)
     n_ok = offs_n < N
-    x, x_new = _conv_silu(xbc_row, st, cw_ptr, cb_ptr, cx, p_ok, s_cd, s_cw, s_w, W, HAS_CONV_BIAS)
-    Bv, _ = _conv_silu(xbc_row, st, cw_ptr, cb_ptr, DI + g * N + offs_n, n_ok, s_cd, s_cw, s_w, W, HAS_CONV_BIAS)
-    Cv, _ = _conv_silu(xbc_row, st, cw_ptr, cb_ptr, DI + GN + g * N + offs_n, n_ok, s_cd, s_cw, s_w, W,
-                       HAS_CONV_BIAS)
+
+    # ---- before the wait (PDL): what the kernel before cannot have written. The slot ids are set
+    # before the step's first kernel; this layer's conv window and SSM state change only here.
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    st = conv_ptr + slot * s_cs
+    x_window = _conv_window(st, cw_ptr, cb_ptr, cx, p_ok, s_cd, s_cw, s_w, W, HAS_CONV_BIAS)
+    B_window = _conv_window(st, cw_ptr, cb_ptr, DI + g * N + offs_n, n_ok, s_cd, s_cw, s_w, W, HAS_CONV_BIAS)
+    C_window = _conv_window(st, cw_ptr, cb_ptr, DI + GN + g * N + offs_n, n_ok, s_cd, s_cw, s_w, W, HAS_CONV_BIAS)
+    A = tl.load(A_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+    D = tl.load(D_ptr + h).to(tl.float32) if HAS_D else 0.0
+    w_own = tl.load(nw_ptr + cx, mask=p_ok, other=0.0).to(tl.float32)  # norm weight of own channels
+    st_ptrs = ssm_ptr + slot * ss_s + h * ss_h + offs_p[:, None] * ss_p + offs_n[None, :] * ss_n
+    st_mask = p_ok[:, None] & n_ok[None, :]
+    state = tl.load(st_ptrs, mask=st_mask, other=0.0)
+    wait_for_previous(PDL)  # the in_proj row below is the kernel before's output
+    row = zx_ptr + b64 * s_zx  # z | xBC | dt of this sequence
+    xbc_row = row + DI
+
+    # ---- conv: this program's x channels (owned: read, then moved on) and its group's B, C (read only)
+    x, x_new = _conv_silu(xbc_row, cx, p_ok, x_window, W, HAS_CONV_BIAS)
+    Bv, _ = _conv_silu(xbc_row, DI + g * N + offs_n, n_ok, B_window, W, HAS_CONV_BIAS)
+    Cv, _ = _conv_silu(xbc_row, DI + GN + g * N + offs_n, n_ok, C_window, W, HAS_CONV_BIAS)
     _shift_window(st, cx, p_ok, x_new, s_cd, s_cw, W)
 
     # ---- SSM state update, as ssm_chain_update with K = 1
     dt = tl.load(xbc_row + DI + 2 * GN + h).to(tl.float32)
-    dt = softplus_clamped(dt + tl.load(dtb_ptr + h).to(tl.float32), dt_lo, dt_hi)
-    A = tl.load(A_ptr + h).to(tl.float32)
-    st_ptrs = ssm_ptr + slot * ss_s + h * ss_h + offs_p[:, None] * ss_p + offs_n[None, :] * ss_n
-    st_mask = p_ok[:, None] & n_ok[None, :]
-    state = tl.load(st_ptrs, mask=st_mask, other=0.0)
+    dt = softplus_clamped(dt + dt_bias, dt_lo, dt_hi)
     state = state * tl.exp(dt * A) + (dt * x)[:, None] * Bv[None, :]
     tl.store(st_ptrs, state, mask=st_mask)
     y = tl.sum(state * Cv[None, :], axis=1)
     if HAS_D:
-        y += tl.load(D_ptr + h).to(tl.float32) * x
+        y += D * x
     y = y.to(zx_ptr.dtype.element_ty).to(tl.float32)  # ssm_chain_update's output dtype
 
     # ---- gate; the norm needs the whole group: hand over the gated values and their sum of squares
     z = tl.load(row + cx, mask=p_ok, other=0.0).to(tl.float32)
     gated = tl.where(p_ok, y * silu(z), 0.0)
     if DEFER_NORM:  # w * gated, rounded where gated_rms_norm_deferred_ref rounds
-        w_own = tl.load(nw_ptr + cx, mask=p_ok, other=0.0).to(tl.float32)
         g_own = gated.to(zx_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + b64 * s_out + cx, (w_own * g_own).to(out_ptr.dtype.element_ty), mask=p_ok)
     else:
@@ -334,6 +365,6 @@ def _launch(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, 
         conv_weight.stride(0), *ssm_state.stride(), out.stride(0),
         P=P, N=N, W=W, BP=bp, BN=bn, HAS_CONV_BIAS=conv_bias is not None, HAS_D=D is not None,
         EPI=EPILOGUE_BLOCK, PARTS=min(PARTS_BLOCK, pow2(per_group, 1)), DEFER_NORM=defer_norm,
-        num_warps=4,
+        PDL=pdl.enabled(zxbcdt.device), launch_pdl=pdl.enabled(zxbcdt.device), num_warps=4,
     )
     return out, scale

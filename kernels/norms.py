@@ -17,6 +17,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import release_next, wait_for_previous
 from kernels.ssm_common import last_axis_contiguous, silu
 
 # one program normalises a whole row (or group) from registers; wider rows than this are refused
@@ -90,11 +92,15 @@ def _add_rms_norm_kernel(
     d, mult, eps,
     s_h, s_o, s_hn, s_x,
     HAS_OUT: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per row: the residual add and the norm of the sum, without a round trip through memory."""
+    release_next(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < d
+    w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)  # a weight: loads before the wait (PDL)
+    wait_for_previous(PDL)
     h = tl.load(h_ptr + row * s_h + c, mask=ok, other=0.0)
     if HAS_OUT:
         o = tl.load(out_ptr + row * s_o + c, mask=ok, other=0.0)
@@ -106,7 +112,6 @@ def _add_rms_norm_kernel(
     v = round_to(h.to(tl.float32), NORM)
     rstd = tl.rsqrt(tl.sum(v * v, axis=0) / d + eps)
     v = round_to(v * rstd, NORM)
-    w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
     tl.store(x_ptr + row * s_x + c, (w * v).to(x_ptr.dtype.element_ty), mask=ok)
 
 
@@ -116,8 +121,11 @@ def _gated_rms_norm_kernel(
     group_size, eps,
     s_y, s_z, s_o,
     NORM: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (row, norm group)."""
+    release_next(PDL)
+    wait_for_previous(PDL)  # every input below may come from the kernel before
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
     ok = tl.arange(0, BLOCK) < group_size
@@ -160,7 +168,7 @@ def add_rms_norm(h, out, weight, eps: float, multiplier: float = 1.0, norm_dtype
         d, float(multiplier), float(eps),
         h.stride(0), o.stride(0), hn.stride(0), x.stride(0),
         HAS_OUT=out is not None, HAS_SCALE=out_scale is not None, NORM=ROUND[norm_dtype], BLOCK=block,
-        num_warps=warps,
+        PDL=pdl.enabled(h.device), launch_pdl=pdl.enabled(h.device), num_warps=warps,
     )
     return hn, x
 
@@ -184,6 +192,7 @@ def gated_rms_norm(y, z, weight, group_size: int, eps: float, out_dtype: torch.d
         y, z, weight.contiguous(), o,
         group_size, float(eps),
         y.stride(0), z.stride(0), o.stride(0),
-        NORM=ROUND[out_dtype], BLOCK=block, num_warps=warps,
+        NORM=ROUND[out_dtype], BLOCK=block, PDL=pdl.enabled(y.device), launch_pdl=pdl.enabled(y.device),
+        num_warps=warps,
     )
     return o

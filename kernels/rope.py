@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import release_next, wait_for_previous
 from kernels.ssm_common import pow2
 
 
@@ -76,9 +78,11 @@ def rope_qk_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_f
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, f_ptr, Hq, scaling,
                  sq_t, sq_h, sk_t, sk_h, sqo_t, sqo_h, sko_t, sko_h,
-                 DH: tl.constexpr, HALF: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr):
+                 DH: tl.constexpr, HALF: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
     """One program per (token, head): q heads first, then k heads. Rounds where the composition
     does: cos and sin to the activation dtype, each product, then the sum."""
+    release_next(PDL)
+    wait_for_previous(PDL)  # every input below may come from the kernel before
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     is_q = h < Hq
@@ -132,6 +136,8 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq:
         q, k, qo, ko, positions, inv_freq.float().contiguous(), Hq, float(attention_scaling),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
         DH=Dh, HALF=half, BD=pow2(Dh - 2 * half, 1), BH=triton.next_power_of_2(half),
-        num_warps=1,
+        # without this the compiler folds "round the product, add, round" into one bf16 FMA that
+        # skips the product's rounding: a quarter of the outputs then differed from the twin by an ulp
+        PDL=pdl.enabled(q.device), launch_pdl=pdl.enabled(q.device), enable_fp_fusion=False, num_warps=1,
     )
     return qo, ko

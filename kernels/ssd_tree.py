@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import release_next, wait_for_previous
 from kernels import ssm_common
 from kernels.ssm_common import (
     as_int32,
@@ -146,8 +148,11 @@ def _tree_ssd_kernel(
     P: tl.constexpr, N: tl.constexpr,
     ROW_TILES: tl.constexpr, BI: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (tree x row tile, head, headdim tile); rows are this tile's nodes."""
+    release_next(PDL)
+    wait_for_previous(PDL)  # every input below may come from the kernel before
     pid0 = tl.program_id(0)
     tree = pid0 // ROW_TILES
     rt = pid0 % ROW_TILES
@@ -309,6 +314,7 @@ def tree_ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, sl
         *ssm_state.stride(), *zt.stride(), *y.stride(), ancestors.stride(0),
         P=P, N=N, ROW_TILES=bn // bi, BI=bi, BP=bp, BN=max(32, min(N_CHUNK, pow2(N))),
         HAS_D=D is not None, HAS_Z=z is not None, PREC=dot_precision(x.dtype),
+        PDL=pdl.enabled(x.device), launch_pdl=pdl.enabled(x.device),
         num_warps=num_warps,
         num_stages=1, maxnreg=maxnreg or None,
     )

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import release_next, wait_for_previous
 from kernels.ssm_common import (
     as_int32,
     dt_activation,
@@ -50,9 +52,12 @@ def _commit_kernel(
     heads_per_group, dt_lo, dt_hi,
     ss_s, ss_h, ss_p, ss_n, sx_b, sx_k, sx_h, sx_p, sdt_b, sdt_k, sdt_h, sb_b, sb_k, sb_g, sb_n,
     K: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (sequence, head, headdim tile). Steps are walked from the last to the first so
     the decay after each step is a running sum of the steps already seen (exact, no differences)."""
+    release_next(PDL)
+    wait_for_previous(PDL)  # every input below may come from the kernel before
     b = tl.program_id(0)
     h = tl.program_id(1)
     pt = tl.program_id(2)
@@ -102,6 +107,7 @@ def ssm_state_commit(ssm_state, slot_idx, x_path, dt_path, B_path, path_len, A, 
         hpg, lo, hi,
         *ssm_state.stride(), *x_path.stride(), *dt_path.stride(), *B_path.stride(),
         K=K, P=P, N=N, BP=bp, BN=bn,
+        PDL=pdl.enabled(ssm_state.device), launch_pdl=pdl.enabled(ssm_state.device),
         num_warps=4,
     )
 

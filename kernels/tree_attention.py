@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import release_next, wait_for_previous
 from kernels.tree_index import ancestor_mask, packed_rows, tree_sizes
 
 
@@ -108,7 +110,10 @@ def _tree_attn_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, DH: tl.constexpr, BLOCK_DH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_KV: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    release_next(PDL)
+    wait_for_previous(PDL)  # every input below may come from the kernel before
     BLOCK_T: tl.constexpr = BLOCK_M // GROUP_P
     tile = tl.program_id(0)
     bh = tl.program_id(1)
@@ -214,7 +219,10 @@ def _merge_splits_kernel(
     ws_acc_ptr, ws_ml_ptr, out_ptr, T, Hq, num_splits,
     stride_ot, stride_oh,
     DH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    release_next(PDL)
+    wait_for_previous(PDL)  # every input below may come from the kernel before
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     h_ok = h < Hq
@@ -317,6 +325,7 @@ def tree_attention(q, k_cache, v_cache, parents, cu_seqlens, slot_idx, cache_len
     else:
         ws_acc = ws_ml = out
     grid = (tiles, B * Hkv, num_splits)
+    use_pdl = pdl.enabled(q.device)
     _tree_attn_kernel[grid](
         q, k_cache, v_cache, parents, cu_seqlens, slot_idx, cache_lens, out, ws_acc, ws_ml,
         float(scale) * math.log2(math.e), T, Hkv, num_splits,
@@ -326,13 +335,13 @@ def tree_attention(q, k_cache, v_cache, parents, cu_seqlens, slot_idx, cache_len
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_P=GROUP_P, DH=Dh, BLOCK_DH=BLOCK_DH,
         BLOCK_M=BLOCK_M, BLOCK_KV=BLOCK_KV, SPLIT=num_splits > 1, IEEE=q.dtype == torch.float32,
-        num_warps=cfg["num_warps"],
+        PDL=use_pdl, launch_pdl=use_pdl, num_warps=cfg["num_warps"],
     )
     if num_splits > 1:
         _merge_splits_kernel[(T,)](
             ws_acc, ws_ml, out, T, Hq, num_splits, out.stride(0), out.stride(1),
             DH=Dh, BLOCK_H=triton.next_power_of_2(Hq), BLOCK_DH=BLOCK_DH,
-            num_warps=4,
+            PDL=use_pdl, launch_pdl=use_pdl, num_warps=4,
         )
     return out
 
@@ -343,7 +352,10 @@ def _write_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcs, stride_kcl, stride_kch, stride_vcs, stride_vcl, stride_vch,
     DH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_DH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    release_next(PDL)
+    wait_for_previous(PDL)  # every input below may come from the kernel before
     tile = tl.program_id(0)
     h = tl.program_id(1)
     row = tile * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -384,7 +396,8 @@ def write_tree_kv(k_cache, v_cache, k, v, cu_seqlens, slot_idx, cache_lens):
         k, v, k_cache, v_cache, cu_seqlens, slot_idx, cache_lens, T, B,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        DH=Dh, BLOCK_T=BLOCK_T, BLOCK_B=max(16, triton.next_power_of_2(B)), BLOCK_DH=triton.next_power_of_2(Dh), num_warps=4,
+        DH=Dh, BLOCK_T=BLOCK_T, BLOCK_B=max(16, triton.next_power_of_2(B)), BLOCK_DH=triton.next_power_of_2(Dh),
+        PDL=pdl.enabled(k.device), launch_pdl=pdl.enabled(k.device), num_warps=4,
     )
 
 
@@ -393,7 +406,10 @@ def _kv_commit_kernel(
     kc_ptr, vc_ptr, slot_ptr, lens_ptr, path_ptr, plen_ptr, K,
     stride_ps, stride_kcs, stride_kcl, stride_kch, stride_vcs, stride_vcl, stride_vch,
     DH: tl.constexpr, BLOCK_DH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    release_next(PDL)
+    wait_for_previous(PDL)  # every input below may come from the kernel before
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -428,5 +444,6 @@ def kv_commit(k_cache, v_cache, slot_idx, cache_lens, path_nodes, path_len):
         k_cache, v_cache, slot_idx, cache_lens, path_nodes, path_len, K,
         path_nodes.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        DH=Dh, BLOCK_DH=triton.next_power_of_2(Dh), num_warps=1,
+        DH=Dh, BLOCK_DH=triton.next_power_of_2(Dh), PDL=pdl.enabled(k_cache.device),
+        launch_pdl=pdl.enabled(k_cache.device), num_warps=1,
     )

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import release_next, wait_for_previous
 from kernels.ssm_common import as_int32
 from kernels.tree_index import block_nodes, packed_ancestor_mask, packed_rows
 
@@ -55,8 +57,10 @@ def ancestor_mask_from_bits(bits: torch.Tensor, cu_seqlens: torch.Tensor, max_no
 
 
 @triton.jit
-def _ancestor_bits_kernel(parents_ptr, cu_ptr, out_ptr, NPAD: tl.constexpr, W: tl.constexpr):
+def _ancestor_bits_kernel(parents_ptr, cu_ptr, out_ptr, NPAD: tl.constexpr, W: tl.constexpr, PDL: tl.constexpr):
     """One program per tree: every row climbs its root path once, setting one bit per step."""
+    release_next(PDL)
+    wait_for_previous(PDL)  # every input below may come from the kernel before
     b = tl.program_id(0)
     start = tl.load(cu_ptr + b)
     n = tl.load(cu_ptr + b + 1) - start
@@ -86,6 +90,7 @@ def ancestor_bits(parents: torch.Tensor, cu_seqlens: torch.Tensor, max_nodes: in
         return out
     npad = block_nodes(max_nodes)
     _ancestor_bits_kernel[(nb,)](
-        as_int32(parents), as_int32(cu_seqlens), out, NPAD=npad, W=W, num_warps=4 if npad <= 64 else 8,
+        as_int32(parents), as_int32(cu_seqlens), out, NPAD=npad, W=W, PDL=pdl.enabled(out.device),
+        launch_pdl=pdl.enabled(out.device), num_warps=4 if npad <= 64 else 8,
     )
     return out

@@ -44,9 +44,13 @@ def test_model_linear_uses_it_up_to_its_row_limit(monkeypatch):
 @gpu
 @pytest.mark.parametrize("Dh,rotary", [(128, 128), (128, 64)])
 def test_rope_qk_bf16(Dh, rotary):
-    """The fused q/k RoPE at the 8B hybrid's attention shape against transformers' composition:
-    within one bf16 ulp (the device's cos/sin may round the other way), rarely."""
-    from kernels.rope import rope_inv_freq, rope_qk, rope_qk_ref
+    """The fused q/k RoPE at the 8B hybrid's attention shape, positions up to 8192.
+
+    Against transformers' composition (the twin): within one bf16 ulp everywhere. Which way an
+    element rounds depends on the last bits of cos/sin: the first H200 run saw a quarter of them
+    round differently from the twin. So the rounding itself is checked against the same composition
+    with cos/sin taken in float64 of the fp32 angle: the kernel must agree with that almost always."""
+    from kernels.rope import apply_rope, rope_inv_freq, rope_qk, rope_qk_ref
 
     gen = torch.Generator(device=DEV).manual_seed(Dh + rotary)
     T, Hq, Hk = 64, 32, 8
@@ -54,6 +58,12 @@ def test_rope_qk_bf16(Dh, rotary):
     q, k = qkv[:, : Hq * Dh].view(T, Hq, Dh), qkv[:, Hq * Dh: (Hq + Hk) * Dh].view(T, Hk, Dh)
     positions = torch.randint(0, 8192, (T,), device=DEV, generator=gen)
     inv_freq = rope_inv_freq(rotary, 10000.0, DEV)
-    for got, want in zip(rope_qk(q, k, positions, inv_freq), rope_qk_ref(q, k, positions, inv_freq)):
+    angle = torch.cat([positions.float()[:, None] * inv_freq[None, :]] * 2, dim=-1).double()
+    cos, sin = angle.cos().to(BF16), angle.sin().to(BF16)
+    exact = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    for got, want, oracle in zip(rope_qk(q, k, positions, inv_freq), rope_qk_ref(q, k, positions, inv_freq), exact):
         torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
-        assert (got != want).float().mean().item() < 0.02
+        print(f"rounded differently: from the twin {(got != want).float().mean().item():.4f}, "
+              f"from the float64 cos/sin {(got != oracle).float().mean().item():.4f}, "
+              f"twin from float64 {(want != oracle).float().mean().item():.4f}")
+        assert (got != oracle).float().mean().item() < 0.02

@@ -19,7 +19,7 @@ import tempfile
 
 
 # launch keywords that are compile options rather than kernel arguments
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion")
 
 
 @contextlib.contextmanager
@@ -78,6 +78,7 @@ def launch_spec(kernel, args, kwargs, num_warps: int = 4, num_stages: int = 3, m
     return {
         "module": fn.__module__, "name": fn.__name__, "signature": signature, "constexprs": constexprs,
         "aligned": aligned, "num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg,
+        "enable_fp_fusion": kwargs.get("enable_fp_fusion"),
     }
 
 
@@ -127,7 +128,9 @@ def _compile_one(spec: dict) -> dict:
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores", log)
     return {"ok": True, "error": "", "registers": int(regs.group(1)) if regs else -1,
-            "spill_bytes": int(spills.group(1)) if spills else -1, "shared": compiled.metadata.shared}
+            "spill_bytes": int(spills.group(1)) if spills else -1, "shared": compiled.metadata.shared,
+            "grid_dependency_control": all(f"griddepcontrol.{op}" in compiled.asm["ptx"]
+                                           for op in ("launch_dependents", "wait"))}
 
 
 if __name__ == "__main__":

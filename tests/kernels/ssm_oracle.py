@@ -114,7 +114,8 @@ def nan_output(shape, dtype, device):
 def assert_compiles_for_sm90(kernels, run, spills_ok=lambda spec: False) -> list[dict]:
     """Record the launches `run()` makes of the interpreted `kernels`, compile each for an H100
     (sm_90, full pipeline down to ptxas) in a clean process, and require success, and no register
-    spills unless `spills_ok(spec)` (spec: see tests.kernels.sm90.launch_spec)."""
+    spills unless `spills_ok(spec)` (spec: see tests.kernels.sm90.launch_spec). Kernels with a `PDL`
+    constexpr compile with it on, and must then carry both grid-dependency instructions."""
     import contextlib
 
     from tests.kernels.sm90 import compile_sm90, launch_spec, record_launches
@@ -126,11 +127,16 @@ def assert_compiles_for_sm90(kernels, run, spills_ok=lambda spec: False) -> list
     for kernel, calls in recorded:
         assert calls, f"{kernel.fn.__name__} was not launched"
         for args, kwargs in calls:
-            specs.append(launch_spec(kernel, args, kwargs, num_warps=kwargs.get("num_warps", 4),
-                                     num_stages=kwargs.get("num_stages", 3), maxnreg=kwargs.get("maxnreg")))
+            spec = launch_spec(kernel, args, kwargs, num_warps=kwargs.get("num_warps", 4),
+                               num_stages=kwargs.get("num_stages", 3), maxnreg=kwargs.get("maxnreg"))
+            if "PDL" in spec["constexprs"]:  # as an H100 launches it (the interpreter never does)
+                spec["constexprs"]["PDL"] = True
+            specs.append(spec)
     results = compile_sm90(specs)
     for spec, res in zip(specs, results):
         assert res["ok"], f"{spec['name']} {spec['constexprs']}: {res['error']}"
+        if "PDL" in spec["constexprs"]:
+            assert res["grid_dependency_control"], f"{spec['name']}: no griddepcontrol in its PTX"
         assert res["spill_bytes"] == 0 or spills_ok(spec), f"{spec['name']} {spec['constexprs']} spills: {res}"
     return results
 

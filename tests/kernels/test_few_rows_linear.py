@@ -21,7 +21,7 @@ def rel(a, b):
 @pytest.mark.parametrize("dtype", [F32, F16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_twin_and_float64(monkeypatch, M, K, N, dtype, with_bias):
-    monkeypatch.setattr(frl, "ROW_BLOCK_K", 64)  # several K tiles, the last one partial
+    monkeypatch.setattr(frl, "ROW_TILES", ((0, 4, 64),))  # several K tiles, the last one partial
     monkeypatch.setattr(frl, "DOT_BLOCK_K", 32)
     gen = torch.Generator().manual_seed(M * 1000 + K + N)
     wide = torch.randn(M, K + 5, generator=gen).to(dtype)
@@ -34,6 +34,11 @@ def test_matches_twin_and_float64(monkeypatch, M, K, N, dtype, with_bias):
     assert got.dtype == dtype and got.shape == (M, N) and not got.isnan().any()
     assert rel(got, want) < TOL[dtype] and rel(ref, want) < TOL[dtype]
     assert rel(got, ref) < TOL[dtype]
+
+
+def test_one_row_tiles_by_output_width():
+    assert [frl.one_row_tile(n) for n in (10576, 4096, 2560, 2048, 1024, 1)] == [
+        (4, 1024), (4, 1024), (2, 1024), (2, 1024), (1, 2048), (1, 2048)]
 
 
 def test_refused_shapes_and_no_rows():

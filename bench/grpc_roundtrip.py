@@ -5,6 +5,10 @@ carrying a message pair per step, on the sync and the asyncio stacks. Prints the
 
     python -m bench.grpc_roundtrip WORK_MS [CALLS] [sleep|spin]
     KEEPAWAKE=1 python -m bench.grpc_roundtrip ...   # a thread in each process keeps a core busy
+    IDLE_SPINNERS=16 python -m bench.grpc_roundtrip ...  # that many lowest-priority busy loops keep
+                                                          # every core out of its idle states ('all':
+                                                          # one per core; treeserve.cores, the servers'
+                                                          # --keep-cores-awake)
 
 The servers run as child processes of this script (ROLE=sync-server / aio-server in their environment).
 """
@@ -21,6 +25,8 @@ import time
 from concurrent import futures
 
 import grpc
+
+from treeserve.cores import CoreSpinners, spinner_count
 
 WORK_MS = float(sys.argv[1]) if len(sys.argv) > 1 else 4.0
 CALLS = int(sys.argv[2]) if len(sys.argv) > 2 else 200
@@ -153,6 +159,16 @@ def keep_awake() -> None:
 
 
 def main() -> None:
+    # busy shell loops at SCHED_IDLE priority (treeserve.cores): any runnable thread preempts them at
+    # once, so they cost the measured processes nothing, but no core ever enters an idle state (or, in
+    # a virtual machine, halts and exits to the host), which is what waking a thread from idle costs
+    if os.environ.get("ROLE") is None and os.environ.get("IDLE_SPINNERS"):
+        with CoreSpinners(spinner_count(os.environ["IDLE_SPINNERS"])):
+            return main_measured()
+    return main_measured()
+
+
+def main_measured() -> None:
     if os.environ.get("KEEPAWAKE"):
         keep_awake()
     role = os.environ.get("ROLE")

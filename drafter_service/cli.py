@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from treeserve import cores
+
 log = logging.getLogger("treeserve.drafter")
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -44,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "start-up; --no-cuda-graphs runs it eagerly)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     p.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' on every call")
+    cores.add_argument(p)
 
 
 def build(args: argparse.Namespace):
@@ -97,9 +100,10 @@ def run(args: argparse.Namespace) -> int:
         graphs = drafter.model.lm.graphs
         log.info("draft head: %s; CUDA graphs %s", drafter.model.head.describe(),
                  "on" if graphs is not None and graphs.capture else "off")
-    print(f"drafter listening on {args.host}:{server.port}", flush=True)
     try:
-        server.wait()
+        with cores.CoreSpinners(args.keep_cores_awake):
+            print(f"drafter listening on {args.host}:{server.port}", flush=True)
+            server.wait()
     finally:
         drafter.close()
     return 0

@@ -68,9 +68,11 @@ class StreamSession:
             self._requests = queue.SimpleQueue()
             self._call = self._method(drain(self._requests))
         call = self._call
-        self._requests.put(request)
         if timeout is not None:
+            # armed before the request goes: once it is queued, gRPC's sending thread wakes and
+            # waits for the GIL until this thread blocks in `next`, so nothing should come between
             self._deadlines.arm(call, timeout)
+        self._requests.put(request)
         failure: grpc.RpcError | None = None
         try:
             response = next(call)

@@ -14,6 +14,7 @@ with a message naming the offending node.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -83,6 +84,19 @@ class TokenTree:
         return cls(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
 
     @classmethod
+    def of_ints(cls, tokens: tuple[int, ...], parents: tuple[int, ...],
+                draft: tuple[SparseDist | None, ...] | None = None) -> "TokenTree":
+        """A tree from tuples that already hold Python ints (decoded from the wire), without the
+        per-node conversion `__init__` does: the verifier decodes a tree for every item of every
+        step."""
+        tree = object.__new__(cls)
+        object.__setattr__(tree, "tokens", tokens)
+        object.__setattr__(tree, "parents", parents)
+        object.__setattr__(tree, "draft", draft)
+        object.__setattr__(tree, "_children", ())
+        return tree
+
+    @classmethod
     def single(cls, root: int) -> "TokenTree":
         """A one-node tree: plain decoding of `root`."""
         return cls((root,), (-1,))
@@ -112,6 +126,29 @@ class TokenTree:
     # ---- validation ---------------------------------------------------------------------
     def validate(self, vocab_size: int, max_nodes: int) -> "TokenTree":
         """Check every invariant; returns self so calls chain. Raises TreeError."""
+        if not self._plainly_valid(vocab_size, max_nodes):
+            self._check_structure(vocab_size, max_nodes)  # raises, naming the first rule broken
+        if self.draft is not None:
+            self._check_draft(vocab_size)
+        return self
+
+    def _plainly_valid(self, vocab_size: int, max_nodes: int) -> bool:
+        """Whether the structural rules of `_check_structure` all hold, checked by a few passes
+        that run in C (min, max, map, set) instead of a Python loop per node: the usual answer,
+        on the verifier's path of every step. False sends the tree through `_check_structure`."""
+        tokens, parents = self.tokens, self.parents
+        n = len(tokens)
+        if not 0 < n <= max_nodes or len(parents) != n or parents[0] != -1:
+            return False
+        if min(tokens) < 0 or max(tokens) >= vocab_size:
+            return False
+        if n == 1:
+            return True
+        rest = parents[1:]
+        return (min(rest) >= 0 and all(map(operator.lt, rest, range(1, n)))
+                and len(set(zip(rest, tokens[1:]))) == n - 1)
+
+    def _check_structure(self, vocab_size: int, max_nodes: int) -> None:
         n = len(self.tokens)
         if n == 0:
             raise TreeError("tree is empty: it needs at least the root")
@@ -136,19 +173,20 @@ class TokenTree:
             if key in seen:
                 raise TreeError(f"node {i} repeats token {self.tokens[i]} under parent {self.parents[i]}: siblings must differ")
             seen.add(key)
-        if self.draft is not None:
-            if len(self.draft) != n:
-                raise TreeError(f"tree has {n} nodes but {len(self.draft)} draft distributions")
-            for i, dist in enumerate(self.draft):
-                if dist is None:
-                    if self.children(i):
-                        raise TreeError(f"node {i} has children but no draft distribution")
-                    continue
-                dist.validate(vocab_size, f"node {i}")
-                for c in self.children(i):
-                    if dist.prob(self.tokens[c], vocab_size) <= 0.0:
-                        raise TreeError(f"node {c} has token {self.tokens[c]} with draft probability 0 under node {i}")
-        return self
+
+    def _check_draft(self, vocab_size: int) -> None:
+        n = len(self.tokens)
+        if len(self.draft) != n:
+            raise TreeError(f"tree has {n} nodes but {len(self.draft)} draft distributions")
+        for i, dist in enumerate(self.draft):
+            if dist is None:
+                if self.children(i):
+                    raise TreeError(f"node {i} has children but no draft distribution")
+                continue
+            dist.validate(vocab_size, f"node {i}")
+            for c in self.children(i):
+                if dist.prob(self.tokens[c], vocab_size) <= 0.0:
+                    raise TreeError(f"node {c} has token {self.tokens[c]} with draft probability 0 under node {i}")
 
     # ---- structure ----------------------------------------------------------------------
     @property
@@ -235,4 +273,5 @@ def tree_from_proto(msg, vocab_size: int, max_nodes: int) -> TokenTree:
     draft = None
     if len(msg.draft) > 0:
         draft = tuple(dist_from_proto(d) for d in msg.draft)
-    return TokenTree(tuple(msg.tokens), tuple(msg.parents), draft).validate(vocab_size, max_nodes)
+    # repeated integer fields yield Python ints: nothing to convert
+    return TokenTree.of_ints(tuple(msg.tokens), tuple(msg.parents), draft).validate(vocab_size, max_nodes)

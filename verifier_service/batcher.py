@@ -23,23 +23,31 @@ model. A batch never holds one sequence twice, and never more than `max_batch` t
 
 Each reply carries where its request's time went on the model side (`Timing`), so the servicer can
 report the split of a call (metrics) without timing anything itself.
+
+The usual case, one caller whose request finds the model free and nothing queued, takes a short cut
+(`run`, `_run_alone`): the same forward the queue would give it, run at once, without passing its
+items through the queue or making a Future, and with the forward's metrics left for after the reply.
+It is on the path of every step a lone client makes, where every operation counts: the step's host
+work runs on caches the forward has just evicted, at several times its warm cost.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import itertools
 import logging
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import grpc
 import torch
 
 from treeserve.errors import ServeError, Unavailable
-from verifier_service.engine import Engine, ItemOutput, VerifyWork
+from verifier_service.engine import BatchReport, Engine, ItemOutput, VerifyWork
 from verifier_service.limits import Limits
 
 log = logging.getLogger("treeserve.verifier")
@@ -49,8 +57,7 @@ class Cancelled(ServeError):
     code = grpc.StatusCode.CANCELLED
 
 
-@dataclass(frozen=True)
-class Timing:
+class Timing(NamedTuple):  # a tuple: made for every request, cheaper than a frozen dataclass
     """Milliseconds of one request on the model side, from its hand-off to its reply.
     queue: hand-off until its first forward began (waiting behind other work, the batching
     window). forward: the forwards it rode in (commits + forward + per-node results, the engine's
@@ -63,6 +70,10 @@ class Timing:
     inline: bool = False
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclass
 class VerifyReply:
     outputs: list[ItemOutput]
@@ -70,6 +81,8 @@ class VerifyReply:
     batch_sequences: int  # the largest of those forwards
     timing: Timing = Timing()
     done_at: float = 0.0  # time.perf_counter() when the reply was complete
+    # bookkeeping left to the caller, to run once its answer is on its way (see `Batcher.run`)
+    after: Callable[[], None] = _nothing
 
 
 def _always() -> bool:
@@ -84,24 +97,35 @@ class _Op:
     future: Future = field(default_factory=Future)
 
 
-@dataclass
 class _VerifyJob:
-    works: list[VerifyWork]
-    alive: Callable[[], bool]
-    arrived: float  # batcher clock: the batching window counts from here
-    number: int = 0  # which request, in arrival order
-    future: Future = field(default_factory=Future)
-    outputs: list[ItemOutput | None] = field(default_factory=list)
-    forwards: dict[int, tuple[float, int]] = field(default_factory=dict)  # batch id -> (ms, sequences)
-    handed: float = field(default_factory=time.perf_counter)
-    started: float | None = None  # perf_counter when its first batch began
-    inline: bool = False
+    """One request's Verify items on their way through the batcher. `reply` is set once every item
+    has its output, and handed to `future` when there is one (a job run at once by its caller's
+    thread needs none)."""
 
-    def __post_init__(self):
-        self.outputs = [None] * len(self.works)
-        self._left = len(self.works)
-        if not self.works:
-            self.future.set_result(VerifyReply([], 0.0, 0, done_at=self.handed))
+    __slots__ = ("works", "alive", "arrived", "number", "future", "reply", "outputs", "forwards", "handed",
+                 "started", "inline", "_left")
+
+    def __init__(self, works: list[VerifyWork], alive: Callable[[], bool], arrived: float, number: int = 0,
+                 future: Future | None = None):
+        self.works = works
+        self.alive = alive
+        self.arrived = arrived  # batcher clock: the batching window counts from here
+        self.number = number  # which request, in arrival order
+        self.future = future
+        self.reply: VerifyReply | None = None
+        self.outputs: list[ItemOutput | None] = [None] * len(works)
+        self.forwards: dict[int, tuple[float, int]] = {}  # batch id -> (ms, sequences)
+        self.handed = time.perf_counter()
+        self.started: float | None = None  # perf_counter when its first batch began
+        self.inline = False
+        self._left = len(works)
+        if not works:
+            self._complete(VerifyReply([], 0.0, 0, done_at=self.handed))
+
+    def _complete(self, reply: VerifyReply) -> None:
+        self.reply = reply
+        if self.future is not None:
+            self.future.set_result(reply)
 
     def deliver(self, index: int, output: ItemOutput, batch_id: int | None = None, ms: float = 0.0, seqs: int = 0):
         self.outputs[index] = output
@@ -110,8 +134,10 @@ class _VerifyJob:
         self._left -= 1
         if self._left == 0:
             done = time.perf_counter()
-            fwd = sum(f[0] for f in self.forwards.values())
-            widest = max((f[1] for f in self.forwards.values()), default=0)
+            fwd, widest = 0.0, 0
+            for ms, seqs in self.forwards.values():
+                fwd += ms
+                widest = max(widest, seqs)
             started = self.started if self.started is not None else done
             timing = Timing(
                 queue=(started - self.handed) * 1e3,
@@ -119,7 +145,7 @@ class _VerifyJob:
                 engine=max(0.0, (done - started) * 1e3 - fwd),
                 inline=self.inline,
             )
-            self.future.set_result(VerifyReply(self.outputs, fwd, widest, timing, done))  # type: ignore[arg-type]
+            self._complete(VerifyReply(self.outputs, fwd, widest, timing, done))  # type: ignore[arg-type]
 
 
 @dataclass
@@ -133,6 +159,15 @@ class _Item:
 
 
 _STOP = object()
+
+_ALREADY = contextlib.nullcontext()
+
+
+def _model_mode():
+    """Inference mode around model work, unless this thread has it on already: the verifier's RPC
+    threads keep it on for good (`VerifierServer`), as entering and leaving it costs tens of
+    microseconds per step on a cold cache."""
+    return _ALREADY if torch.is_inference_mode_enabled() else torch.inference_mode()
 
 # Callers run the model themselves on a few threads at most, whatever the size of gRPC's thread pool
 # (a thread per concurrent call): CUDA libraries keep per-thread state, e.g. a cuBLAS handle with a
@@ -182,10 +217,64 @@ class Batcher:
     def verify(self, works: list[VerifyWork], alive: Callable[[], bool] = _always) -> Future:
         """Future of a VerifyReply with one output per work, in order (done on return when this
         thread found the model free and ran the forward itself)."""
+        got = self.run(works, alive)
+        if isinstance(got, Future):
+            return got
+        got.after()  # nobody else will
+        future: Future = Future()
+        future.set_result(got)
+        return future
+
+    def run(self, works: list[VerifyWork], alive: Callable[[], bool] = _always) -> VerifyReply | Future:
+        """`verify` for a caller about to wait for the answer: the VerifyReply itself when this
+        thread found the model free and ran the forward at once (`_run_alone`, no Future made),
+        else the Future of the queued work. Such a reply's `after()` records the forward's metrics:
+        the caller runs it once its answer is on its way."""
         job = _VerifyJob(list(works), alive, self._clock(), next(self._job_numbers))
-        if job.works:
-            self._push([_Item(job, i) for i in range(len(job.works))], job.future, job)
+        if not job.works or self._run_alone(job):
+            return job.reply  # type: ignore[return-value]
+        job.future = Future()
+        self._push([_Item(job, i) for i in range(len(job.works))], job.future, job)
         return job.future
+
+    def _run_alone(self, job: _VerifyJob) -> bool:
+        """Run `job` as one forward on this thread at once, if that is exactly what the queue would
+        do: the model is free, nothing is queued ahead, this thread may run the model (`_push`'s
+        rule), and the job is one batch (within the limits, no sequence twice) that would not wait
+        for company (`_complete`). Returns whether it ran; if not, the caller takes the queue."""
+        works = job.works
+        limits = self.limits
+        if len(works) > limits.max_batch:
+            return False
+        names = {w.sequence_id for w in works}
+        if len(names) != len(works) or sum(w.tree.size for w in works) > limits.max_batch_nodes:
+            return False
+        me = threading.get_ident()
+        with self._lock:
+            if (self._busy or self._queue or not self._started or self._stopped
+                    or (me not in self._runners and len(self._runners) >= INLINE_THREADS)
+                    or not self._complete(names)):  # reads the table: safe, as no thread holds the model
+                return False
+            self._busy = True
+            self._runners.add(me)
+        job.inline = True
+        try:
+            self._set_device()
+            with _model_mode():
+                if job.alive():
+                    self._last_batch = {w.sequence_id: job.number for w in works}
+                    report = self._forward([_Item(job, i) for i in range(len(works))], record=False)
+                    if report is not None:  # the job is complete: its one batch ran
+                        job.reply.after = functools.partial(self.engine.record, report)
+                else:
+                    for i in range(len(works)):
+                        job.deliver(i, ItemOutput(error=Cancelled("the caller went away")))
+        finally:
+            with self._lock:
+                self._busy = False
+                if self._queue:
+                    self._free.notify()  # what arrived meanwhile: the model thread's
+        return True
 
     def is_runner(self, ident: int) -> bool:
         """Whether the thread `ident` has run the model (and may again without growing the set)."""
@@ -242,7 +331,7 @@ class Batcher:
         is done (its entries are queued, so it is reached), then give the model back."""
         try:
             self._set_device()
-            with torch.inference_mode():
+            with _model_mode():
                 while not done.done():
                     entry = self._next_for_holder()
                     if entry is None:  # shutting down: the rest is the model thread's or stop()'s
@@ -374,7 +463,9 @@ class Batcher:
         here = {prev[sid] for sid in names if sid in prev}
         return not any(req not in here and sid not in names and sid in table for sid, req in prev.items())
 
-    def _forward(self, batch: list[_Item]) -> None:
+    def _forward(self, batch: list[_Item], record: bool = True) -> BatchReport | None:
+        """Run one batch and hand its outputs out; then its metrics, unless `record` is False (the
+        returned report's, for the caller to record later). None when the engine failed."""
         batch_id = next(self._batch_ids)
         now = time.perf_counter()
         for it in batch:
@@ -386,9 +477,12 @@ class Batcher:
             log.exception("verify batch failed")
             for it in batch:
                 it.job.deliver(it.index, ItemOutput(error=exc))
-            return
+            return None
         for it, out in zip(batch, report.outputs):
             it.job.deliver(it.index, out, batch_id, report.forward_ms, report.sequences)
+        if record:  # after the answers are out: waiting callers wake first
+            self.engine.record(report)
+        return report
 
     @staticmethod
     def _fail(entry, exc: BaseException) -> None:

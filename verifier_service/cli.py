@@ -5,6 +5,7 @@ import argparse
 import logging
 import pathlib
 
+from treeserve import cores
 from verifier_service.limits import Limits
 
 log = logging.getLogger("treeserve.verifier")
@@ -33,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graphs", choices=GRAPH_MODES, default="lazy",
                    help="lazy: capture each shape bucket on first use; startup: capture every bucket before "
                         "serving; off: eager forwards")
+    cores.add_argument(p)
 
 
 def limits_from(args: argparse.Namespace) -> Limits:
@@ -87,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         address=f"{args.host}:{args.port}", auth_token=args.auth_token, cuda_graphs=args.cuda_graphs,
     )
     start_metrics(args.metrics_port)
-    print(f"verifier listening on {args.host}:{server.port}", flush=True)
-    server.wait()
+    # after loading (the spinners would slow it down a little), before the first client can call
+    with cores.CoreSpinners(args.keep_cores_awake):
+        print(f"verifier listening on {args.host}:{server.port}", flush=True)
+        server.wait()
     return 0

@@ -8,13 +8,17 @@ batcher lets only a few threads do that, see `batcher.INLINE_THREADS`): `prefer`
 and an idle preferred thread goes before more recently idle others (after a burst of concurrent
 calls the last thread to come free is any of them). Threads are made on demand, up to
 `max_workers`; tasks beyond that wait, in order, for the next thread to come free.
+
+`context` (optional) is entered by each pool thread around everything it runs, once for its life:
+per-thread state that every task wants (the verifier's: torch inference mode) without each task
+paying to set it up and tear it down.
 """
 from __future__ import annotations
 
 import collections
 import threading
 from concurrent.futures import Executor, Future
-from typing import Callable, Optional
+from typing import Callable, ContextManager, Optional
 
 
 class _Worker:
@@ -37,6 +41,13 @@ class _Worker:
 
     def run(self) -> None:
         self.ident = threading.get_ident()
+        if self._pool._context is None:
+            self._serve()
+        else:
+            with self._pool._context():
+                self._serve()
+
+    def _serve(self) -> None:
         task = self._task
         while task is not None:
             future, fn, args, kwargs = task
@@ -52,13 +63,16 @@ class _Worker:
 
 
 class LifoExecutor(Executor):
-    def __init__(self, max_workers: int, name: str = "rpc", prefer: Optional[Callable[[int], bool]] = None):
-        """prefer(thread ident): whether an idle thread should take the next task before others."""
+    def __init__(self, max_workers: int, name: str = "rpc", prefer: Optional[Callable[[int], bool]] = None,
+                 context: Optional[Callable[[], ContextManager]] = None):
+        """prefer(thread ident): whether an idle thread should take the next task before others.
+        context(): a context manager each thread enters once, around all the tasks it runs."""
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         self._max = max_workers
         self._name = name
         self._prefer = prefer
+        self._context = context
         self._lock = threading.Lock()
         self._idle: list[_Worker] = []  # a stack: the last one in goes first
         self._backlog: collections.deque = collections.deque()

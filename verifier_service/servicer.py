@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+import torch
 
 from treeserve.errors import InvalidArgument, ServeError, item_error, status_of
 from treeserve.sampling import Sampling
@@ -21,7 +22,7 @@ from treeserve.server import Server, client_requests, grpc_errors, on_error
 from treeserve.tree import TreeError, tree_from_proto
 from treeserve.v1 import treeserve_pb2 as pb
 from treeserve.v1 import treeserve_pb2_grpc as pbg
-from verifier_service.batcher import Batcher
+from verifier_service.batcher import Batcher, VerifyReply
 from verifier_service.engine import Engine, VerifyWork
 from verifier_service.limits import MAX_SEQUENCE_ID_BYTES, MAX_TOP_LOGPROBS, Limits
 from verifier_service.metrics import metrics
@@ -183,35 +184,34 @@ class VerifierServicer(pbg.VerifierServicer):
         that records the request's time split by stage (metrics), for the caller to run once the
         response is on its way. Raises ServeError when the request is malformed as a whole."""
         t_start = time.perf_counter()
-        ids = [it.sequence_id for it in request.items]
-        if len(set(ids)) != len(ids):
-            dup = next(s for s in ids if ids.count(s) > 1)
-            raise InvalidArgument(f"sequence {dup!r} appears more than once in one request")
+        items = request.items
+        if len(items) > 1:
+            ids = [it.sequence_id for it in items]
+            if len(set(ids)) != len(ids):
+                dup = next(s for s in ids if ids.count(s) > 1)
+                raise InvalidArgument(f"sequence {dup!r} appears more than once in one request")
         errors: dict[int, BaseException] = {}
         works: list[VerifyWork] = []
         where: list[int] = []
-        for i, item in enumerate(request.items):
+        for i, item in enumerate(items):
             try:
                 works.append(self._decode_item(item))
                 where.append(i)
             except ServeError as exc:
                 errors[i] = exc
         t_handoff = time.perf_counter()
-        reply = self._wait(self._batcher.verify(works, alive=context.is_active), context)
+        got = self._batcher.run(works, alive=context.is_active)
+        # the usual case: this thread found the model free and ran the forward itself
+        reply = got if isinstance(got, VerifyReply) else self._wait(got, context)
         t_back = time.perf_counter()
-        resp = self._encode(request, reply, dict(zip(where, reply.outputs)), errors)
+        try:
+            resp = self._encode(request, reply, dict(zip(where, reply.outputs)), errors)
+        except BaseException:
+            reply.after()
+            raise
         t_end = time.perf_counter()
-        timing = reply.timing
-        stages = {
-            "decode": (t_handoff - t_start) * 1e3,
-            "queue": timing.queue,
-            "forward": timing.forward,
-            "engine": timing.engine,
-            "handback": max(0.0, t_back - reply.done_at) * 1e3,
-            "encode": (t_end - t_back) * 1e3,
-            "total": (t_end - t_start) * 1e3,
-        }
-        return resp, functools.partial(self._record, stages, timing.inline)
+        # everything else waits until the response is on its way
+        return resp, functools.partial(self._record, reply, t_start, t_handoff, t_back, t_end)
 
     @staticmethod
     def _encode(request, reply, outputs: dict, errors: dict):
@@ -235,10 +235,22 @@ class VerifierServicer(pbg.VerifierServicer):
         return resp
 
     @staticmethod
-    def _record(stages: dict[str, float], inline: bool) -> None:
+    def _record(reply: VerifyReply, t_start: float, t_handoff: float, t_back: float, t_end: float) -> None:
+        """The request's metrics: what the batcher left to do (`reply.after`), and the call's time
+        by stage (perf_counter readings: arrival, hand-off to the batcher, reply back, encoded)."""
+        reply.after()
+        timing = reply.timing
         m = metrics()
-        m.call(stages)
-        if inline:
+        m.call({
+            "decode": (t_handoff - t_start) * 1e3,
+            "queue": timing.queue,
+            "forward": timing.forward,
+            "engine": timing.engine,
+            "handback": max(0.0, t_back - reply.done_at) * 1e3,
+            "encode": (t_end - t_back) * 1e3,
+            "total": (t_end - t_start) * 1e3,
+        })
+        if timing.inline:
             m.inline_calls.inc()
 
     # ---- statistics ---------------------------------------------------------------------
@@ -281,8 +293,10 @@ class VerifierServer:
     def __init__(self, lm, limits: Limits, address: str, info: ModelInfo, auth_token: str | None = None):
         self.engine = Engine(lm, limits.validate())
         self.batcher = Batcher(self.engine, limits, device=info.device).start()
+        # RPC threads run the model themselves when it is free: they keep inference mode on for
+        # good instead of entering it for every forward (see batcher._model_mode)
         self._pool = LifoExecutor(max(32, 2 * limits.max_sequences + 8), name="verifier-rpc",
-                                  prefer=self.batcher.is_runner)
+                                  prefer=self.batcher.is_runner, context=torch.inference_mode)
         self.server = Server(address, auth_token=auth_token, executor=self._pool)
         servicer = VerifierServicer(self.engine, self.batcher, info, stopping=self.server.stopping)
         self.server.add(pbg.add_VerifierServicer_to_server, servicer, "Verifier")

@@ -101,6 +101,48 @@ def test_rejects_malformed(tokens, parents, message):
         TokenTree(tokens, parents).validate(VOCAB, 16)
 
 
+@st.composite
+def maybe_broken_trees(draw):
+    """(tokens, parents): a valid tree, or one with a node's token or parent changed to anything
+    nearby, or a parent dropped or added."""
+    n = draw(st.integers(0, 9))
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    tokens = [draw(st.integers(0, VOCAB - 1)) for _ in range(n)]
+    change = draw(st.sampled_from(["none", "none", "token", "parent", "drop", "add"]))
+    if change == "token" and n:
+        tokens[draw(st.integers(0, n - 1))] = draw(st.integers(-2, VOCAB + 1))
+    elif change == "parent" and n:
+        parents[draw(st.integers(0, n - 1))] = draw(st.integers(-2, n + 1))
+    elif change == "drop" and n:
+        parents.pop()
+    elif change == "add":
+        parents.append(draw(st.integers(-1, n)))
+    return tokens, parents
+
+
+@settings(max_examples=500, deadline=None)
+@given(maybe_broken_trees(), st.integers(1, 9))
+def test_fast_validity_check_agrees_with_the_full_one(tree_lists, max_nodes):
+    """`validate` first runs C-level checks (`_plainly_valid`) and walks the nodes only when they fail:
+    both must accept exactly the same trees, and the wire decoder must accept and refuse alike."""
+    tokens, parents = tree_lists
+    tree = TokenTree(tuple(tokens), tuple(parents))
+    try:
+        tree._check_structure(VOCAB, max_nodes)
+        valid = True
+    except TreeError:
+        valid = False
+    assert tree._plainly_valid(VOCAB, max_nodes) == valid
+    from treeserve.v1 import treeserve_pb2 as pb
+
+    msg = pb.TokenTree(tokens=tokens, parents=parents)
+    if valid:
+        assert tree_from_proto(msg, VOCAB, max_nodes) == tree
+    else:
+        with pytest.raises(TreeError):
+            tree_from_proto(msg, VOCAB, max_nodes)
+
+
 def test_rejects_oversized():
     with pytest.raises(TreeError, match="more than the limit of 4"):
         TokenTree.chain([1] * 5).validate(VOCAB, 4)

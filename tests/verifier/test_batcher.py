@@ -249,6 +249,41 @@ def test_a_lone_request_runs_at_once_on_the_callers_thread(make):
     assert op.done() and op.result(0) == La + 2
 
 
+def test_run_hands_a_lone_callers_reply_over_directly_and_leaves_metrics_for_after(make):
+    """`run` (the servicer's way in): a request that finds the model free gets its VerifyReply back
+    with no Future; the forward's metrics are recorded by `reply.after()`, which `verify` runs
+    itself. Work that has to queue gets a Future, its metrics recorded by whoever ran it."""
+    from concurrent.futures import Future
+
+    from verifier_service.batcher import VerifyReply
+    from verifier_service.metrics import metrics
+
+    engine, batcher = make(batch_window_ms=0)
+    (a, La, ra), (b, Lb, rb) = _prefill(engine, 2)
+    batcher.start()
+    passes = metrics().forward_passes
+    before = passes._value.get()
+    reply = batcher.run([VerifyWork(a, La, TokenTree.single(ra)), VerifyWork(b, Lb, TokenTree.single(rb))])
+    assert isinstance(reply, VerifyReply) and reply.timing.inline and reply.batch_sequences == 2
+    assert engine.forward_passes == 1 and passes._value.get() == before  # not yet recorded
+    reply.after()
+    assert passes._value.get() == before + 1
+    # through `verify`: the same, recorded before it returns
+    fut = batcher.verify([VerifyWork(a, La + 1, TokenTree.single(reply.outputs[0].result.target_tokens[0]),
+                                     commit=(La, (0,)))])
+    assert fut.done() and fut.result(0).outputs[0].error is None
+    assert passes._value.get() == before + 2
+    # with the model held elsewhere, the work queues: a Future, recorded by the thread that ran it
+    with ThreadPoolExecutor(2) as rpc:
+        held, release = _hold_model(rpc, batcher)
+        got = batcher.run([VerifyWork(b, Lb + 1, TokenTree.single(reply.outputs[1].result.target_tokens[0]),
+                                      commit=(Lb, (0,)))])
+        assert isinstance(got, Future) and not got.done()
+        release.set()
+        assert got.result(30).outputs[0].error is None and not got.result(0).timing.inline
+        assert passes._value.get() == before + 3
+
+
 def test_requests_arriving_while_the_model_is_busy_share_the_next_forward(make):
     engine, batcher = make(batch_window_ms=0)
     seqs = _prefill(engine, 4)

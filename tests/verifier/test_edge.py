@@ -1,6 +1,7 @@
 """The service's edge: health, reflection, metrics, Stats, and requests refused before any work."""
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import grpc
@@ -99,13 +100,22 @@ def test_metrics_endpoint(verifier, client, fresh_id):
     L, root = client.prefill(sid, [3, 4])
     client.verify([VerifyItem(sid, L, TokenTree.chain([root, 5, 6]))])
     client.verify([VerifyItem(sid, L + 7, TokenTree.single(root))])  # wrong length
-    text = urllib.request.urlopen(f"http://127.0.0.1:{verifier.metrics_port}/metrics", timeout=10).read().decode()
+    def value(text: str, name: str) -> float:
+        return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+    # recorded once each reply is out (the forward's metrics too), so possibly a moment after it arrived
+    deadline = time.monotonic() + 10
+    while True:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{verifier.metrics_port}/metrics", timeout=10).read().decode()
+        if value(text, "treeserve_verifier_nodes_verified_total") >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert value(text, "treeserve_verifier_forward_passes_total") >= 1
+    assert value(text, "treeserve_verifier_nodes_verified_total") >= 3
     for name in ("treeserve_verifier_forward_passes_total", "treeserve_verifier_nodes_verified_total",
                  "treeserve_verifier_batch_sequences_bucket", "treeserve_verifier_forward_ms_bucket",
                  'treeserve_verifier_errors_total{code="FAILED_PRECONDITION"}',
                  *(f'treeserve_verifier_call_ms_count{{stage="{st}"}}' for st in CALL_STAGES)):
         assert name in text, name
     # the calls above came alone to a free model: each ran its forward on its own RPC thread
-    inline = next(float(line.split()[-1]) for line in text.splitlines()
-                  if line.startswith("treeserve_verifier_inline_calls_total"))
-    assert inline >= 1
+    assert value(text, "treeserve_verifier_inline_calls_total") >= 1

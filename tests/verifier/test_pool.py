@@ -127,3 +127,26 @@ def test_shutdown_finishes_queued_work_and_refuses_new():
     with pytest.raises(RuntimeError):
         p.submit(len, ())
     assert not any(t.is_alive() for t in p._threads)
+
+
+def test_each_thread_enters_the_context_once_around_all_its_tasks():
+    events: list[str] = []
+    inside = threading.local()
+
+    class Mark:
+        def __enter__(self):
+            events.append("enter")
+            inside.on = True
+
+        def __exit__(self, *exc):
+            events.append("exit")
+            inside.on = False
+
+    p = LifoExecutor(1, name="c", context=Mark)
+    try:
+        assert all(p.submit(lambda: getattr(inside, "on", False)).result(10) for _ in range(5))
+        assert events == ["enter"]
+    finally:
+        p.shutdown()
+    assert events == ["enter", "exit"]  # left when the thread ends
+    assert not getattr(inside, "on", False)  # this thread never entered it

@@ -3,6 +3,7 @@ cuBLAS (F.linear) at the projection shapes of the benchmark models, with a sweep
 configurations.
 
     python -m bench.few_rows_linear --out FILE.json [--reps 30]
+    python -m bench.few_rows_linear --in-graph --out FILE.json   # one-row tiles, timed as decode runs them
 
 Method as bench.ssm_kernels (its Timer: L2 evicted before every timed call, host launch hidden,
 medians). Floor = weight bytes / the copy bandwidth measured in the same run (x and y are
@@ -10,6 +11,12 @@ negligible). The one-row kernel is swept at 1 row, the dot kernel at 16 rows (it
 count is not compiled in, so fewer rows cost the same); each sweep's summary names the
 configuration with the lowest geometric-mean time over the shapes, which is then timed at 2, 4
 and 8 rows beside cuBLAS.
+
+`--in-graph` times one-row tiles the way a decode step runs them instead: a CUDA graph of GRAPH_CHAIN
+back-to-back launches on distinct weights (programmatic dependent launch as configured, see
+kernels/pdl.py), replay time / GRAPH_CHAIN, median of 15 replays; the floor assumes the copy
+bandwidth measured first. Isolated launches overstate small layers (a launch's fixed cost) and miss
+what PDL overlaps, which is why kernels/few_rows_linear.ROW_TILES comes from this mode.
 """
 from __future__ import annotations
 
@@ -38,6 +45,49 @@ ROW_CONFIGS = [(bn, bk, w, 0) for bn, bk, w in itertools.product((4, 8, 16), (25
 DOT_CONFIGS = list(itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4)))
 
 
+# one-row tiles of the in-graph sweep: (BN, BK, warps) with 16-64 fp32 partial sums per thread
+GRAPH_CONFIGS = [(bn, bk, w) for bn, bk, w in itertools.product((1, 2, 4, 8), (512, 1024, 2048), (1, 2, 4, 8))
+                 if 16 <= bn * bk // (w * 32) <= 64]
+GRAPH_CHAIN = 48  # launches per graph (12 for layers over 60 M weights, to bound memory)
+
+
+def in_graph_sweep(bw: float) -> dict:
+    """{shape: {"floor_us", "us": {"BNxBKwW": µs per launch}}} over GRAPH_CONFIGS; prints each
+    shape's five best."""
+    out = {}
+    for name, K, N in SHAPES:
+        weights = [(torch.randn(N, K, device=DEV) * K ** -0.5).to(torch.bfloat16)
+                   for _ in range(GRAPH_CHAIN if N * K < 60e6 else 12)]
+        x = torch.randn(1, K, device=DEV).to(torch.bfloat16)
+        res = {}
+        for bn, bk, w in GRAPH_CONFIGS:
+            def chain():
+                for W in weights:
+                    few_rows_linear(x, W, block_n=bn, block_k=bk, num_warps=w)
+            chain()  # compile
+            torch.cuda.synchronize()
+            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                chain()
+                with torch.cuda.graph(graph, stream=stream):
+                    chain()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(15):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                graph.replay()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) * 1e3 / len(weights))
+            res[f"{bn}x{bk}w{w}"] = sorted(times)[len(times) // 2]
+        floor = N * K * 2 / bw * 1e6
+        best = sorted((v, k) for k, v in res.items())[:5]
+        print(f"{name:28s} floor {floor:6.1f} us  best {[(k, round(v, 2)) for v, k in best]}", flush=True)
+        out[name] = dict(floor_us=floor, us=res)
+    return out
+
+
 def knobs(cfg):
     bn, bk, w, st = cfg
     return dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st or None)
@@ -47,10 +97,15 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--in-graph", action="store_true", help="sweep one-row tiles inside CUDA graphs instead")
     args = ap.parse_args(argv)
     timer = Timer(args.reps, warmup=3)
     bw = copy_bandwidth(timer)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    if args.in_graph:
+        with open(args.out, "w") as f:
+            json.dump(dict(copy_bandwidth_GBps=bw / 1e9, in_graph=in_graph_sweep(bw)), f, indent=1)
+        return
     gen = torch.Generator(device=DEV).manual_seed(0)
     weights = {name: (torch.randn(N, K, device=DEV, generator=gen) * K ** -0.5).to(torch.bfloat16)
                for name, K, N in SHAPES}

@@ -113,6 +113,9 @@ def decode_bytes(lm, length: int) -> dict:
     return {"weights": weights, "state_read_write": state, "kv_read": kv, "total": weights + state + kv}
 
 
+CENSUS_SIZES = (16, 64)  # tree sizes whose verify kernels are listed (what the verify ratio is made of)
+
+
 def balanced_tree(n: int, rng: random.Random, vocab: int):
     """A random tree of n nodes, parents among the last few nodes (bushy, depth ~ n / 3)."""
     from treeserve.tree import TokenTree
@@ -128,13 +131,15 @@ def bench_runtime(lm, graphs: bool, sizes, rng, vocab: int, max_decode: int) -> 
     lm.prefill([slot], [prompt])
     steps = iter(range(10**9))
     dec_ms = median_ms(lambda: lm.decode([slot], [next(steps) % vocab]), 5, max_decode)
-    out = {"decode_ms": dec_ms, "verify_ms": {}, "verify_ratio": {}, "verify_commit_ms": {}}
+    out = {"decode_ms": dec_ms, "verify_ms": {}, "verify_ratio": {}, "verify_commit_ms": {}, "verify_kernels": {}}
     out["decode_kernels"] = kernel_census(lambda: lm.decode([slot], [next(steps) % vocab]))
     for n in sizes:
         tree = balanced_tree(n, rng, vocab)
         ms = median_ms(lambda: lm.verify([slot], [tree]), 3, 15)
         out["verify_ms"][n] = ms
         out["verify_ratio"][n] = ms / dec_ms
+        if n in CENSUS_SIZES:
+            out["verify_kernels"][n] = kernel_census(lambda: lm.verify([slot], [tree]), top=16)
         # one speculation round: verify, then commit a path of up to 4 nodes; state moves on
         path = tree.path_to(min(n - 1, 3))
 
@@ -358,12 +363,19 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print(json.dumps({k: report[k] for k in ("decode_floor_ms", "copy_bandwidth_GBps")}), flush=True)
+    if report["programmatic_dependent_launch"]:
+        print("(PDL on: a kernel's time includes its wait for the one before; TREESERVE_PDL=0 for kernel times)")
     print("decode ms eager %.3f graphs %.3f floor %.3f" % (report["eager"]["decode_ms"], report["graphs"]["decode_ms"], report["decode_floor_ms"]))
     census = report["graphs"]["decode_kernels"]
     if "kernels" in census:
         print(f"decode step (graphs): {census['kernels']} kernels, {census['total_us']:.0f} us of kernel time")
         for name, count, us in census["top"]:
             print(f"  {us:9.1f} us  {count:5d}x  {name}")
+    for n, census in report["graphs"]["verify_kernels"].items():
+        if "kernels" in census:
+            print(f"verify, {n} nodes (graphs): {census['kernels']} kernels, {census['total_us']:.0f} us of kernel time")
+            for name, count, us in census["top"]:
+                print(f"  {us:9.1f} us  {count:5d}x  {name}")
     for n in sizes:
         print(f"N={n:4d} verify ratio eager {report['eager']['verify_ratio'][n]:.2f} graphs {report['graphs']['verify_ratio'][n]:.2f}")
 

@@ -24,10 +24,10 @@ from kernels.ssm_common import dot_precision, last_axis_contiguous
 MAX_ROWS = 16  # rows of x one launch handles (one 16-row dot tile)
 # One row: (least N, BN output columns, BK reduction width) per program, by the layer's output
 # width N, and warps per program. From an H200 sweep timed the way decode runs them (a CUDA graph of
-# back-to-back launches under PDL; BENCHMARKS.md, fourth round): within 1.05x of the best of 31
-# configurations on every projection shape of the 2.7B and 8B benchmark models but the 8B kv
-# projection (1.15x). Narrower programs for narrow layers keep enough of them loading at once;
-# each thread keeps 16-32 fp32 partial sums.
+# back-to-back launches under PDL: `python -m bench.few_rows_linear --in-graph`): within 1.05x of the
+# best of 31 configurations on every projection shape of the 2.7B and 8B benchmark models.
+# Narrower programs for narrow layers keep enough of them loading at once; each thread keeps 16-32
+# fp32 partial sums.
 ROW_TILES = ((4096, 4, 1024), (2048, 2, 1024), (0, 1, 2048))
 ROW_WARPS = 4
 # the same for the dot path (2..MAX_ROWS rows), and its pipeline depth

@@ -15,6 +15,7 @@ from typing import Optional
 from orchestrator.generation import FrontLimits
 from orchestrator.procs import Child, free_port, stop_all
 from orchestrator.runtime import Orchestrator, OrchestratorConfig
+from treeserve import cores
 
 log = logging.getLogger("treeserve.serve")
 
@@ -44,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-timeout-ms", type=float, default=1000.0)
     p.add_argument("--default-max-new-tokens", type=int, default=256)
     p.add_argument("--log-dir", default=None, help="where the child services write their logs (default: temp files)")
+    cores.add_argument(p)  # one set for the host: every child process benefits
 
 
 @dataclass
@@ -171,10 +173,12 @@ def run(args: argparse.Namespace) -> int:
                                 limits=FrontLimits(default_max_new_tokens=args.default_max_new_tokens))
     children, orch = launch(plan, config, args.log_dir)
     try:
-        print(f"serving {plan.target.name} on {args.host}:{orch.port} (verifiers {', '.join(config.verifiers)}; "
-              f"drafter {config.drafter or 'none'})", flush=True)
-        print(f"orchestrator listening on {args.host}:{orch.port}", flush=True)
-        orch.wait()
+        # after the children have loaded (the loops would slow that a little), before any client
+        with cores.CoreSpinners(args.keep_cores_awake):
+            print(f"serving {plan.target.name} on {args.host}:{orch.port} (verifiers {', '.join(config.verifiers)}; "
+                  f"drafter {config.drafter or 'none'})", flush=True)
+            print(f"orchestrator listening on {args.host}:{orch.port}", flush=True)
+            orch.wait()
     finally:
         stop_all(children)
     return 0

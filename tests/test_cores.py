@@ -87,7 +87,7 @@ def test_spinner_count(text, expected):
     assert cores.spinner_count(text) == (cores.usable_cores() if expected is None else expected)
 
 
-@pytest.mark.parametrize("module", ["verifier_service.cli", "drafter_service.cli"])
+@pytest.mark.parametrize("module", ["verifier_service.cli", "drafter_service.cli", "orchestrator.cli_serve"])
 @pytest.mark.parametrize("bad", ["-2", "x", "1.5", ""])
 def test_bad_counts_are_argparse_errors(module, bad, capsys):
     import importlib
@@ -101,8 +101,9 @@ def test_bad_counts_are_argparse_errors(module, bad, capsys):
     assert "--keep-cores-awake" in err and "'all'" in err, err
 
 
-@pytest.mark.parametrize("module", ["verifier_service.cli", "drafter_service.cli"])
+@pytest.mark.parametrize("module", ["verifier_service.cli", "drafter_service.cli", "orchestrator.cli_serve"])
 def test_servers_take_the_option(module):
+    """Also `treeserve serve`, which runs one set for the host its children share."""
     import importlib
 
     p = argparse.ArgumentParser()

@@ -43,8 +43,7 @@ class VerifyStash:
         """Mamba2 block number `layer`: xbc_dt (T, conv_dim + H) = in_proj's xBC | dt columns,
         xB (T, d_inner + G*N) = the conv output's x | B columns."""
         T = xbc_dt.shape[0]
-        self.xbc_dt[:T, layer].copy_(xbc_dt)
-        self.xB[:T, layer].copy_(xB)
+        ops.copy_rows_pair(self.xbc_dt[:T, layer], xbc_dt, self.xB[:T, layer], xB)  # one launch
 
     def put_attention(self, layer: int, k, v) -> None:
         """k, v (T, Hkv, Dh) of attention block number `layer`."""

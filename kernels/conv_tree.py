@@ -186,7 +186,7 @@ def tree_conv1d(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, ma
         D,
         xbc.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
         W=W, HAS_BIAS=bias is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
-        PDL=pdl.enabled(xbc.device), launch_pdl=pdl.enabled(xbc.device),
+        **pdl.launch_options(xbc.device),
     )
     return out
 
@@ -240,7 +240,7 @@ def conv_state_commit(conv_state, slot_idx, xbc_path, path_len):
         D,
         conv_state.stride(0), conv_state.stride(1), xbc_path.stride(0), xbc_path.stride(1),
         WM1=WM1, WP=triton.next_power_of_2(WM1), BLOCK_D=BLOCK_D,
-        PDL=pdl.enabled(conv_state.device), launch_pdl=pdl.enabled(conv_state.device),
+        **pdl.launch_options(conv_state.device),
     )
 
 

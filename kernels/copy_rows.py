@@ -59,9 +59,8 @@ def copy_rows_pair(dst_a: torch.Tensor, src_a: torch.Tensor, dst_b: torch.Tensor
     Wa, Wb = dst_a.shape[1], dst_b.shape[1]
     if T == 0 or max(Wa, Wb) == 0:
         return
-    use_pdl = pdl.enabled(dst_a.device)
     _copy_pair_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(max(Wa, Wb), BLOCK_W), 2)](
         dst_a, src_a, dst_b, src_b, T, Wa, Wb,
         dst_a.stride(0), src_a.stride(0), dst_b.stride(0), src_b.stride(0),
-        BT=BLOCK_T, BW=BLOCK_W, PDL=use_pdl, launch_pdl=use_pdl, num_warps=4,
+        BT=BLOCK_T, BW=BLOCK_W, **pdl.launch_options(dst_a.device), num_warps=4,
     )

@@ -122,10 +122,9 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if M == 1:
         bn, bk = one_row_tile(N)
         bn, bk = block_n or bn, block_k or bk
-        use_pdl = pdl.enabled(x.device)
         _one_row_kernel[(triton.cdiv(N, bn),)](
             x, weight, b, y, N, K, weight.stride(0), BN=bn, BK=bk,
-            HAS_BIAS=bias is not None, PDL=use_pdl, launch_pdl=use_pdl, num_warps=num_warps or ROW_WARPS,
+            HAS_BIAS=bias is not None, **pdl.launch_options(x.device), num_warps=num_warps or ROW_WARPS,
         )
         return y
     bn = block_n or DOT_BLOCK_N
@@ -135,7 +134,7 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     _rows_dot_kernel[(triton.cdiv(N, bn),)](
         x, weight, b, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0), BN=bn, BK=bk,
         STAGES=num_stages or DOT_STAGES, HAS_BIAS=bias is not None,
-        PREC=dot_precision(x.dtype), PDL=pdl.enabled(x.device), launch_pdl=pdl.enabled(x.device),
+        PREC=dot_precision(x.dtype), **pdl.launch_options(x.device),
         num_warps=num_warps or DOT_WARPS,
     )
     return y

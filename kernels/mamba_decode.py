@@ -365,6 +365,6 @@ def _launch(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, 
         conv_weight.stride(0), *ssm_state.stride(), out.stride(0),
         P=P, N=N, W=W, BP=bp, BN=bn, HAS_CONV_BIAS=conv_bias is not None, HAS_D=D is not None,
         EPI=EPILOGUE_BLOCK, PARTS=min(PARTS_BLOCK, pow2(per_group, 1)), DEFER_NORM=defer_norm,
-        PDL=pdl.enabled(zxbcdt.device), launch_pdl=pdl.enabled(zxbcdt.device), num_warps=4,
+        **pdl.launch_options(zxbcdt.device), num_warps=4,
     )
     return out, scale

@@ -168,7 +168,7 @@ def add_rms_norm(h, out, weight, eps: float, multiplier: float = 1.0, norm_dtype
         d, float(multiplier), float(eps),
         h.stride(0), o.stride(0), hn.stride(0), x.stride(0),
         HAS_OUT=out is not None, HAS_SCALE=out_scale is not None, NORM=ROUND[norm_dtype], BLOCK=block,
-        PDL=pdl.enabled(h.device), launch_pdl=pdl.enabled(h.device), num_warps=warps,
+        **pdl.launch_options(h.device), num_warps=warps,
     )
     return hn, x
 
@@ -192,7 +192,7 @@ def gated_rms_norm(y, z, weight, group_size: int, eps: float, out_dtype: torch.d
         y, z, weight.contiguous(), o,
         group_size, float(eps),
         y.stride(0), z.stride(0), o.stride(0),
-        NORM=ROUND[out_dtype], BLOCK=block, PDL=pdl.enabled(y.device), launch_pdl=pdl.enabled(y.device),
+        NORM=ROUND[out_dtype], BLOCK=block, **pdl.launch_options(y.device),
         num_warps=warps,
     )
     return o

@@ -7,7 +7,8 @@ Launched with PDL, a kernel lets the next one start as soon as all of its own pr
 (`release_next`), and the next one's programs do the work that does not depend on it (loading
 weights) before they wait (`wait_for_previous`).
 
-Every kernel launched with PDL (`launch_pdl=True`, constexpr `PDL=True`) keeps two rules:
+Every kernel launched with PDL (`**launch_options(device)`: `launch_pdl=True`, constexpr `PDL=True`)
+keeps two rules:
 - before `wait_for_previous` it reads only what no kernel of the step writes (weights) and writes
   nothing;
 - it calls `release_next`, best at its start.
@@ -42,6 +43,13 @@ def enabled(device: torch.device) -> bool:
     if os.environ.get("TREESERVE_PDL", "1") == "0":
         return False
     return _device_supports(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_options(device: torch.device) -> dict:
+    """The two launch keywords of a PDL kernel on `device`, decided once: the constexpr `PDL` the
+    kernel branches on and the launcher's `launch_pdl`."""
+    on = enabled(device)
+    return {"PDL": on, "launch_pdl": on}
 
 
 @triton.jit

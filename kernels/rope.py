@@ -136,8 +136,9 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq:
         q, k, qo, ko, positions, inv_freq.float().contiguous(), Hq, float(attention_scaling),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
         DH=Dh, HALF=half, BD=pow2(Dh - 2 * half, 1), BH=triton.next_power_of_2(half),
+        **pdl.launch_options(q.device), num_warps=1,
         # without this the compiler folds "round the product, add, round" into one bf16 FMA that
         # skips the product's rounding: a quarter of the outputs then differed from the twin by an ulp
-        PDL=pdl.enabled(q.device), launch_pdl=pdl.enabled(q.device), enable_fp_fusion=False, num_warps=1,
+        enable_fp_fusion=False,
     )
     return qo, ko

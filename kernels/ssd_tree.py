@@ -16,9 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from kernels import pdl, ssm_common
 from kernels.pdl import release_next, wait_for_previous
-from kernels import ssm_common
 from kernels.ssm_common import (
     as_int32,
     dot_precision,
@@ -314,7 +313,7 @@ def tree_ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, sl
         *ssm_state.stride(), *zt.stride(), *y.stride(), ancestors.stride(0),
         P=P, N=N, ROW_TILES=bn // bi, BI=bi, BP=bp, BN=max(32, min(N_CHUNK, pow2(N))),
         HAS_D=D is not None, HAS_Z=z is not None, PREC=dot_precision(x.dtype),
-        PDL=pdl.enabled(x.device), launch_pdl=pdl.enabled(x.device),
+        **pdl.launch_options(x.device),
         num_warps=num_warps,
         num_stages=1, maxnreg=maxnreg or None,
     )

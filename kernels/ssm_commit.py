@@ -107,7 +107,7 @@ def ssm_state_commit(ssm_state, slot_idx, x_path, dt_path, B_path, path_len, A, 
         hpg, lo, hi,
         *ssm_state.stride(), *x_path.stride(), *dt_path.stride(), *B_path.stride(),
         K=K, P=P, N=N, BP=bp, BN=bn,
-        PDL=pdl.enabled(ssm_state.device), launch_pdl=pdl.enabled(ssm_state.device),
+        **pdl.launch_options(ssm_state.device),
         num_warps=4,
     )
 

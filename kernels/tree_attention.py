@@ -325,7 +325,7 @@ def tree_attention(q, k_cache, v_cache, parents, cu_seqlens, slot_idx, cache_len
     else:
         ws_acc = ws_ml = out
     grid = (tiles, B * Hkv, num_splits)
-    use_pdl = pdl.enabled(q.device)
+    with_pdl = pdl.launch_options(q.device)
     _tree_attn_kernel[grid](
         q, k_cache, v_cache, parents, cu_seqlens, slot_idx, cache_lens, out, ws_acc, ws_ml,
         float(scale) * math.log2(math.e), T, Hkv, num_splits,
@@ -335,13 +335,13 @@ def tree_attention(q, k_cache, v_cache, parents, cu_seqlens, slot_idx, cache_len
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_P=GROUP_P, DH=Dh, BLOCK_DH=BLOCK_DH,
         BLOCK_M=BLOCK_M, BLOCK_KV=BLOCK_KV, SPLIT=num_splits > 1, IEEE=q.dtype == torch.float32,
-        PDL=use_pdl, launch_pdl=use_pdl, num_warps=cfg["num_warps"],
+        **with_pdl, num_warps=cfg["num_warps"],
     )
     if num_splits > 1:
         _merge_splits_kernel[(T,)](
             ws_acc, ws_ml, out, T, Hq, num_splits, out.stride(0), out.stride(1),
             DH=Dh, BLOCK_H=triton.next_power_of_2(Hq), BLOCK_DH=BLOCK_DH,
-            PDL=use_pdl, launch_pdl=use_pdl, num_warps=4,
+            **with_pdl, num_warps=4,
         )
     return out
 
@@ -397,7 +397,7 @@ def write_tree_kv(k_cache, v_cache, k, v, cu_seqlens, slot_idx, cache_lens):
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         DH=Dh, BLOCK_T=BLOCK_T, BLOCK_B=max(16, triton.next_power_of_2(B)), BLOCK_DH=triton.next_power_of_2(Dh),
-        PDL=pdl.enabled(k.device), launch_pdl=pdl.enabled(k.device), num_warps=4,
+        **pdl.launch_options(k.device), num_warps=4,
     )
 
 
@@ -444,6 +444,5 @@ def kv_commit(k_cache, v_cache, slot_idx, cache_lens, path_nodes, path_len):
         k_cache, v_cache, slot_idx, cache_lens, path_nodes, path_len, K,
         path_nodes.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        DH=Dh, BLOCK_DH=triton.next_power_of_2(Dh), PDL=pdl.enabled(k_cache.device),
-        launch_pdl=pdl.enabled(k_cache.device), num_warps=1,
+        DH=Dh, BLOCK_DH=triton.next_power_of_2(Dh), **pdl.launch_options(k_cache.device), num_warps=1,
     )

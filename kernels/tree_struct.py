@@ -90,7 +90,7 @@ def ancestor_bits(parents: torch.Tensor, cu_seqlens: torch.Tensor, max_nodes: in
         return out
     npad = block_nodes(max_nodes)
     _ancestor_bits_kernel[(nb,)](
-        as_int32(parents), as_int32(cu_seqlens), out, NPAD=npad, W=W, PDL=pdl.enabled(out.device),
-        launch_pdl=pdl.enabled(out.device), num_warps=4 if npad <= 64 else 8,
+        as_int32(parents), as_int32(cu_seqlens), out, NPAD=npad, W=W, **pdl.launch_options(out.device),
+        num_warps=4 if npad <= 64 else 8,
     )
     return out

@@ -78,7 +78,8 @@ def tree_ssd_scan_ref(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens
 # Node tiles are at most this tall: bigger trees are cut into row tiles x column blocks so the
 # (rows x cols) decay/score tiles stay in registers.
 MAX_TILE = 64
-# d_state is swept in chunks of this many columns
+# d_state is swept in chunks of this many columns, except by one-tile trees with narrow headdim tiles
+# (the small-batch launch), which take it whole: one round of loads, and registers to spare
 N_CHUNK = 64
 
 
@@ -107,13 +108,23 @@ def _node_dt(dt_ptr, sdt_t, sdt_h, start, n, j0, h, bias, dt_lo, dt_hi, BI: tl.c
     j = j0 + tl.arange(0, BI)
     ok = j < n
     v = tl.load(dt_ptr + (start + j) * sdt_t + h * sdt_h, mask=ok, other=0.0).to(tl.float32)
-    return tl.where(ok, softplus_clamped(v + bias, dt_lo, dt_hi), 0.0)
+    return _computed_once(tl.where(ok, softplus_clamped(v + bias, dt_lo, dt_hi), 0.0))
+
+
+@triton.jit
+def _computed_once(v):
+    """v, a (BI,) vector, through a reduction. A reduction's result has a layout of its own, so the
+    compiler converts it (once, via shared memory) for each use instead of recomputing v, and the
+    loads behind it, in the layout of every tile that uses it: for a column vector of a (BI, BI) tile
+    that is once per column a thread holds, each recomputed load's latency exposed in turn."""
+    return tl.sum(tl.where(tl.arange(0, 2)[None, :] == 0, v[:, None], 0.0), axis=1)
 
 
 @triton.jit
 def _masked_row_sum(m, dA):
     """(BI,) fp64 sum over columns j with m[:, j] of dA[j] ((BI,) fp32, each clamped at -1e4)."""
-    return tl.sum(tl.where(m, tl.maximum(dA, -1.0e4)[None, :], 0.0).to(tl.float64), axis=1)
+    dA64 = _computed_once(tl.maximum(dA, -1.0e4).to(tl.float64))
+    return tl.sum(tl.where(m, dA64[None, :], 0.0), axis=1)
 
 
 @triton.jit
@@ -174,9 +185,20 @@ def _tree_ssd_kernel(
     p_ok = offs_p < P
     offs_n = tl.arange(0, BN)
 
+    # Every input of the diagonal block is requested before any arithmetic, so the loads overlap: at
+    # small batches the kernel's time is its chain of dependent memory round trips, not bandwidth.
     # C_i . B_j of the diagonal block (its columns are this tile's own nodes) and, for one-tile trees,
-    # the committed-state term C_i . h0 in the same pass over d_state: it is the only sizeable memory
-    # read, so it is issued first. Taller trees fetch it after the lower blocks, to keep registers free.
+    # the committed-state term C_i . h0 share one pass over d_state (one chunk for one-tile trees).
+    # Taller trees fetch h0 after the lower blocks, to keep registers free.
+    x_rows = tl.load(x_ptr + tok_i[:, None] * sx_t + h * sx_h + offs_p[None, :] * sx_p,
+                     mask=row_ok[:, None] & p_ok[None, :], other=0.0).to(tl.float32)
+    if HAS_Z:
+        z_rows = tl.load(z_ptr + tok_i[:, None] * sz_t + h * sz_h + offs_p[None, :] * sz_p,
+                         mask=row_ok[:, None] & p_ok[None, :], other=0.0).to(tl.float32)
+    # the diagonal block's columns are the rows themselves: its ancestor tile and dt serve both the
+    # path sums and the diagonal decay
+    dt_i = _node_dt(dt_ptr, sdt_t, sdt_h, start, n, row0, h, bias, dt_lo, dt_hi, BI)
+    m_diag = _ancestor_tile(anc_ptr, sa_t, tok_i, row_ok, row0, BI)
     st = state_ptr + slot * ss_s + h * ss_h
     ch = tl.zeros([BI, BP], dtype=tl.float32)
     cb_diag = tl.zeros([BI, BI], dtype=tl.float32)
@@ -192,14 +214,7 @@ def _tree_ssd_kernel(
                          mask=p_ok[:, None] & n_ok[None, :], other=0.0)
             ch += tl.dot(c, tl.trans(h0), input_precision=PREC)
         cb_diag += tl.dot(c, tl.trans(b), input_precision=PREC)
-    x_rows = tl.load(x_ptr + tok_i[:, None] * sx_t + h * sx_h + offs_p[None, :] * sx_p,
-                     mask=row_ok[:, None] & p_ok[None, :], other=0.0).to(tl.float32)
 
-    # Path sums of this tile's rows. The diagonal block's columns are the rows themselves, so its
-    # ancestor tile and dt serve both the sums and the diagonal decay; lower blocks add their part.
-    # (Loading these two before the d_state pass costs ~60 more registers per thread on sm_90.)
-    dt_i = _node_dt(dt_ptr, sdt_t, sdt_h, start, n, row0, h, bias, dt_lo, dt_hi, BI)
-    m_diag = _ancestor_tile(anc_ptr, sa_t, tok_i, row_ok, row0, BI)
     dacs_i = _masked_row_sum(m_diag, dt_i * A)
     if ROW_TILES > 1:
         dacs_i += _path_sums(anc_ptr, sa_t, dt_ptr, sdt_t, sdt_h, start, n, tok_i, row_ok, rt, h, bias, A,
@@ -242,9 +257,7 @@ def _tree_ssd_kernel(
     y = acc + tl.exp(tl.minimum(dacs_i.to(tl.float32), 0.0))[:, None] * ch
     io_mask = row_ok[:, None] & p_ok[None, :]
     if HAS_Z:
-        zi = tl.load(z_ptr + tok_i[:, None] * sz_t + h * sz_h + offs_p[None, :] * sz_p,
-                     mask=io_mask, other=0.0).to(tl.float32)
-        y *= silu(zi)
+        y *= silu(z_rows)
     tl.store(y_ptr + tok_i[:, None] * sy_t + h * sy_h + offs_p[None, :] * sy_p,
              y.to(y_ptr.dtype.element_ty), mask=io_mask)
 
@@ -257,7 +270,7 @@ def tree_ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, sl
     `ancestors` (T, W) int32 is `tree_struct.ancestor_bits(parents, cu_seqlens, max_nodes)`, built once
     per forward and shared by every layer; when None it is built here (one extra launch).
     Keyword-only tuning knobs (benchmarks): `block_p` headdim columns per program (power of two >= 16),
-    `num_warps`, `maxnreg` register cap per thread (0: none); None picks the defaults below.
+    `num_warps`, `maxnreg` register cap per thread (None or 0: none); None picks the defaults below.
     """
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
@@ -287,20 +300,10 @@ def tree_ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, sl
         # bench.ssm_kernels, both layer shapes)
         bp = 32
     if num_warps is None:
-        # Large grids (batches of trees) keep every SM busy with several programs: 4 warps each ran
-        # batch-16 64-node trees in 0.67x the time of 8 warps on an H200 (bench.ssm_kernels sweep).
-        num_warps = 4 if n_prog * triton.cdiv(P, bp) >= 4 * _sm_count(x.device) else 8
-    if maxnreg is None:
-        # Two programs per SM (2 x 8 warps x 128 registers fill the register file), so the grid of a
-        # small batch runs in one wave. Only where that costs no spills on sm_90 (tests/gpu compile
-        # test): half-precision 64-node tiles (one tile) at this headdim block, 139 registers uncapped.
-        # 16-node tiles need ~100 anyway; 32-node ones would spill at 128.
-        # Only at the layer shapes where this was checked on an H200 (d_state 128, headdim >= 64): a
-        # small-state layer (headdim 32, d_state 32) compiled under the cap read shared memory out of
-        # bounds (compute-sanitizer, triton 3.6).
-        fits = (bp <= 32 and bn == MAX_TILE and x.dtype != torch.float32 and num_warps == 8
-                and N >= 128 and P >= 64)
-        maxnreg = 128 if fits else 0
+        # One warpgroup per program, at every tree size and batch: after the loads were gathered into
+        # one round, 4 warps were the fastest or within 4% of it at 16/64/128 nodes, batch 1 and 16,
+        # both layer shapes (H200 sweep, BENCHMARKS.md fifth round); 8 warps cost up to 1.5x at batch 16.
+        num_warps = 4
     grid = (nb * (bn // bi), H, triton.cdiv(P, bp))
     D_arg = D if D is not None else A
     bias = dt_bias if dt_bias is not None else torch.zeros_like(A)
@@ -311,11 +314,11 @@ def tree_ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, sl
         hpg, lo, hi,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
         *ssm_state.stride(), *zt.stride(), *y.stride(), ancestors.stride(0),
-        P=P, N=N, ROW_TILES=bn // bi, BI=bi, BP=bp, BN=max(32, min(N_CHUNK, pow2(N))),
+        P=P, N=N, ROW_TILES=bn // bi, BI=bi, BP=bp, BN=max(32, pow2(N) if bn == bi and bp <= 32 else min(N_CHUNK, pow2(N))),
         HAS_D=D is not None, HAS_Z=z is not None, PREC=dot_precision(x.dtype),
         **pdl.launch_options(x.device),
         num_warps=num_warps,
-        num_stages=1, maxnreg=maxnreg or None,
+        num_stages=1, maxnreg=maxnreg or None,  # no cap unless asked: capping never won with 4 warps
     )
     return y
 

@@ -210,7 +210,7 @@ def test_kernels_compile_for_h100():
         args, _ = tree_case([(256, "random"), (3, "chain")], 1, 64, 128, 1, seed=8, dtype=torch.bfloat16)
         tree_ssd_scan(**args)  # four row tiles; eight mask words per row
         args, _ = tree_case([(64, "random")], 1, 128, 128, 1, seed=8, dtype=torch.bfloat16)
-        tree_ssd_scan(**args, block_p=32)  # the 8B shape's small-batch launch: capped at 128 registers
+        tree_ssd_scan(**args, block_p=32)  # the 8B shape's small-batch launch: d_state in one chunk
         args, _ = tree_case([(20, "random")], 1, 64, 128, 1, seed=8)  # fp32 activations: tf32x3 dots
         tree_ssd_scan(**args)
         ssd_prefill(**prefill_case(70, 1, 64, 128, 1, seed=8))

@@ -4,6 +4,7 @@ configurations.
 
     python -m bench.few_rows_linear --out FILE.json [--reps 30]
     python -m bench.few_rows_linear --in-graph --out FILE.json   # one-row tiles, timed as decode runs them
+    python -m bench.few_rows_linear --in-graph --rows 16 --out FILE.json   # dot tiles and cuBLAS, as verify runs them
 
 Method as bench.ssm_kernels (its Timer: L2 evicted before every timed call, host launch hidden,
 medians). Floor = weight bytes / the copy bandwidth measured in the same run (x and y are
@@ -12,7 +13,7 @@ count is not compiled in, so fewer rows cost the same); each sweep's summary nam
 configuration with the lowest geometric-mean time over the shapes, which is then timed at 2, 4
 and 8 rows beside cuBLAS.
 
-`--in-graph` times one-row tiles the way a decode step runs them instead: a CUDA graph of GRAPH_CHAIN
+`--in-graph` times one-row tiles (or, with `--rows M`, dot tiles next to cuBLAS) the way a decode step runs them instead: a CUDA graph of GRAPH_CHAIN
 back-to-back launches on distinct weights (programmatic dependent launch as configured, see
 kernels/pdl.py), replay time / GRAPH_CHAIN, median of 15 replays; the floor assumes the copy
 bandwidth measured first. Isolated launches overstate small layers (a launch's fixed cost) and miss
@@ -51,39 +52,55 @@ GRAPH_CONFIGS = [(bn, bk, w) for bn, bk, w in itertools.product((1, 2, 4, 8), (5
 GRAPH_CHAIN = 48  # launches per graph (12 for layers over 60 M weights, to bound memory)
 
 
-def in_graph_sweep(bw: float) -> dict:
-    """{shape: {"floor_us", "us": {"BNxBKwW": µs per launch}}} over GRAPH_CONFIGS; prints each
-    shape's five best."""
+# dot-path tiles of the in-graph sweep at GRAPH_DOT_ROWS rows: (BN, BK, warps, stages)
+GRAPH_DOT_CONFIGS = list(itertools.product((16, 32, 64), (128, 256), (4,), (3, 4)))
+
+
+def graph_time(step, n_launches: int) -> float:
+    """µs per launch of `step` (which makes n_launches launches) replayed in a CUDA graph: median of 15."""
+    step()  # compile
+    torch.cuda.synchronize()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step()
+        with torch.cuda.graph(graph, stream=stream):
+            step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(15):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / n_launches)
+    return sorted(times)[len(times) // 2]
+
+
+def in_graph_sweep(bw: float, rows: int) -> dict:
+    """{shape: {"floor_us", "us": {config: µs per launch}}} over GRAPH_CONFIGS (one row) or
+    GRAPH_DOT_CONFIGS plus cuBLAS ("cublas") for more rows; prints each shape's five best."""
     out = {}
+    configs = ([(bn, bk, w, 0) for bn, bk, w in GRAPH_CONFIGS] if rows == 1 else GRAPH_DOT_CONFIGS)
     for name, K, N in SHAPES:
         weights = [(torch.randn(N, K, device=DEV) * K ** -0.5).to(torch.bfloat16)
                    for _ in range(GRAPH_CHAIN if N * K < 60e6 else 12)]
-        x = torch.randn(1, K, device=DEV).to(torch.bfloat16)
+        x = torch.randn(rows, K, device=DEV).to(torch.bfloat16)
         res = {}
-        for bn, bk, w in GRAPH_CONFIGS:
+        for cfg in configs:
             def chain():
                 for W in weights:
-                    few_rows_linear(x, W, block_n=bn, block_k=bk, num_warps=w)
-            chain()  # compile
-            torch.cuda.synchronize()
-            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-            with torch.cuda.stream(stream):
-                chain()
-                with torch.cuda.graph(graph, stream=stream):
-                    chain()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(15):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3 / len(weights))
-            res[f"{bn}x{bk}w{w}"] = sorted(times)[len(times) // 2]
+                    few_rows_linear(x, W, **knobs(cfg))
+            res["{}x{}w{}".format(*cfg) + (f"s{cfg[3]}" if cfg[3] else "")] = graph_time(chain, len(weights))
+        if rows > 1:
+            def chain_cublas():
+                for W in weights:
+                    F.linear(x, W)
+            res["cublas"] = graph_time(chain_cublas, len(weights))
         floor = N * K * 2 / bw * 1e6
         best = sorted((v, k) for k, v in res.items())[:5]
-        print(f"{name:28s} floor {floor:6.1f} us  best {[(k, round(v, 2)) for v, k in best]}", flush=True)
+        cublas = f"  cuBLAS {res['cublas']:.2f}" if rows > 1 else ""
+        print(f"{name:28s} floor {floor:6.1f} us  best {[(k, round(v, 2)) for v, k in best]}{cublas}", flush=True)
         out[name] = dict(floor_us=floor, us=res)
     return out
 
@@ -97,14 +114,15 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--in-graph", action="store_true", help="sweep one-row tiles inside CUDA graphs instead")
+    ap.add_argument("--in-graph", action="store_true", help="sweep tiles inside CUDA graphs instead")
+    ap.add_argument("--rows", type=int, default=1, help="rows of x in the in-graph sweep (> 1: the dot path and cuBLAS)")
     args = ap.parse_args(argv)
     timer = Timer(args.reps, warmup=3)
     bw = copy_bandwidth(timer)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     if args.in_graph:
         with open(args.out, "w") as f:
-            json.dump(dict(copy_bandwidth_GBps=bw / 1e9, in_graph=in_graph_sweep(bw)), f, indent=1)
+            json.dump(dict(copy_bandwidth_GBps=bw / 1e9, rows=args.rows, in_graph=in_graph_sweep(bw, args.rows)), f, indent=1)
         return
     gen = torch.Generator(device=DEV).manual_seed(0)
     weights = {name: (torch.randn(N, K, device=DEV, generator=gen) * K ** -0.5).to(torch.bfloat16)

@@ -73,7 +73,6 @@ def _rows_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym, BN: 
                      BK: tl.constexpr, STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
                      PDL: tl.constexpr):
     release_next(PDL)
-    wait_for_previous(PDL)  # every input below may come from the kernel before
     BM: tl.constexpr = 16  # the smallest dot tile; rows past M are masked to zero
     m = tl.arange(0, BM)
     m_ok = m < M
@@ -81,8 +80,13 @@ def _rows_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym, BN: 
     n_ok = n < N
     k = tl.arange(0, BK)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * s_wn
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+    # as in the one-row kernel: the first weight tile does not depend on the kernel before, so under
+    # PDL it loads while that kernel finishes; x may come from it
+    w0 = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0, eviction_policy="evict_first")
+    wait_for_previous(PDL)
+    x0 = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+    acc = tl.dot(x0, tl.trans(w0), tl.zeros((BM, BN), dtype=tl.float32), input_precision=PREC)
+    for k0 in tl.range(BK, K, BK, num_stages=STAGES):
         kk = k0 + k
         k_ok = kk < K
         x = tl.load(x_ptr + m[:, None] * s_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)

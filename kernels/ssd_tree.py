@@ -105,10 +105,22 @@ def _ancestor_tile(anc_ptr, sa_t, tok_rows, rows_ok, j0, BI: tl.constexpr):
 @triton.jit
 def _node_dt(dt_ptr, sdt_t, sdt_h, start, n, j0, h, bias, dt_lo, dt_hi, BI: tl.constexpr):
     """(BI,) activated fp32 dt of local nodes j0 .. j0 + BI of one tree and head (0 past the tree)."""
+    raw, ok = _node_dt_raw(dt_ptr, sdt_t, sdt_h, start, n, j0, h, BI)
+    return _activated(raw, ok, bias, dt_lo, dt_hi)
+
+
+@triton.jit
+def _node_dt_raw(dt_ptr, sdt_t, sdt_h, start, n, j0, h, BI: tl.constexpr):
+    """The load half of `_node_dt`: ((BI,) raw dt, (BI,) inside the tree)."""
     j = j0 + tl.arange(0, BI)
     ok = j < n
-    v = tl.load(dt_ptr + (start + j) * sdt_t + h * sdt_h, mask=ok, other=0.0).to(tl.float32)
-    return _computed_once(tl.where(ok, softplus_clamped(v + bias, dt_lo, dt_hi), 0.0))
+    return tl.load(dt_ptr + (start + j) * sdt_t + h * sdt_h, mask=ok, other=0.0), ok
+
+
+@triton.jit
+def _activated(raw, ok, bias, dt_lo, dt_hi):
+    """The arithmetic half of `_node_dt`."""
+    return _computed_once(tl.where(ok, softplus_clamped(raw.to(tl.float32) + bias, dt_lo, dt_hi), 0.0))
 
 
 @triton.jit
@@ -196,8 +208,9 @@ def _tree_ssd_kernel(
         z_rows = tl.load(z_ptr + tok_i[:, None] * sz_t + h * sz_h + offs_p[None, :] * sz_p,
                          mask=row_ok[:, None] & p_ok[None, :], other=0.0).to(tl.float32)
     # the diagonal block's columns are the rows themselves: its ancestor tile and dt serve both the
-    # path sums and the diagonal decay
-    dt_i = _node_dt(dt_ptr, sdt_t, sdt_h, start, n, row0, h, bias, dt_lo, dt_hi, BI)
+    # path sums and the diagonal decay. dt is activated after the d_state pass is issued: its
+    # reduction would otherwise hold back the loads behind it.
+    dt_raw, dt_ok = _node_dt_raw(dt_ptr, sdt_t, sdt_h, start, n, row0, h, BI)
     m_diag = _ancestor_tile(anc_ptr, sa_t, tok_i, row_ok, row0, BI)
     st = state_ptr + slot * ss_s + h * ss_h
     ch = tl.zeros([BI, BP], dtype=tl.float32)
@@ -214,6 +227,7 @@ def _tree_ssd_kernel(
                          mask=p_ok[:, None] & n_ok[None, :], other=0.0)
             ch += tl.dot(c, tl.trans(h0), input_precision=PREC)
         cb_diag += tl.dot(c, tl.trans(b), input_precision=PREC)
+    dt_i = _activated(dt_raw, dt_ok, bias, dt_lo, dt_hi)
 
     dacs_i = _masked_row_sum(m_diag, dt_i * A)
     if ROW_TILES > 1:

@@ -31,6 +31,7 @@ _HOME = {
     "few_rows_linear": "kernels.few_rows_linear",
     "rope_qk": "kernels.rope",
     "copy_rows_pair": "kernels.copy_rows",
+    "silu_mul": "kernels.silu_mul",
 }
 
 
@@ -75,3 +76,4 @@ gated_rms_norm = _dispatcher("gated_rms_norm")
 few_rows_linear = _dispatcher("few_rows_linear")
 rope_qk = _dispatcher("rope_qk")
 copy_rows_pair = _dispatcher("copy_rows_pair")
+silu_mul = _dispatcher("silu_mul")

@@ -6,8 +6,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from kernels import ops
 from models.config import MLPSpec, MoESpec
 from models.layers.linear import Linear
+
+SILU = ("silu", "swish")  # transformers' ACT2FN names of F.silu
 
 
 class MLP(nn.Module):
@@ -28,7 +31,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, d_model) -> (T, d_model)."""
         if self.spec.gated:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            if self.spec.act in SILU:  # one fused pass (kernels/silu_mul.py), rounded as torch rounds
+                return self.down_proj(ops.silu_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.up_proj(x)))
 

@@ -197,8 +197,10 @@ def _tree_ssd_kernel(
     p_ok = offs_p < P
     offs_n = tl.arange(0, BN)
 
-    # Every input of the diagonal block is requested before any arithmetic, so the loads overlap: at
-    # small batches the kernel's time is its chain of dependent memory round trips, not bandwidth.
+    # Every input of the diagonal block is loaded before any arithmetic, so that the loads can
+    # overlap: at small batches the kernel's time is its chain of dependent memory round trips, not
+    # bandwidth. (The compiler still stages C, B and h0 into shared memory one after the other,
+    # each behind a barrier: three round trips where one would do.)
     # C_i . B_j of the diagonal block (its columns are this tile's own nodes) and, for one-tile trees,
     # the committed-state term C_i . h0 share one pass over d_state (one chunk for one-tile trees).
     # Taller trees fetch h0 after the lower blocks, to keep registers free.

@@ -199,8 +199,8 @@ def _tree_ssd_kernel(
 
     # Every input of the diagonal block is loaded before any arithmetic, so that the loads can
     # overlap: at small batches the kernel's time is its chain of dependent memory round trips, not
-    # bandwidth. (The compiler still stages C, B and h0 into shared memory one after the other,
-    # each behind a barrier: three round trips where one would do.)
+    # bandwidth. (The compiler still stages C, B and h0 into shared memory one after the other;
+    # asynchronous copies, which do not, were no faster at 64 nodes: BENCHMARKS.md fifth round.)
     # C_i . B_j of the diagonal block (its columns are this tile's own nodes) and, for one-tile trees,
     # the committed-state term C_i . h0 share one pass over d_state (one chunk for one-tile trees).
     # Taller trees fetch h0 after the lower blocks, to keep registers free.

@@ -19,7 +19,9 @@ for stage in $stages; do
     ssm) python3 -m bench.ssm_kernels --out "$out/ssm_kernels.json" 2>&1 | tee "$out/ssm_kernels.log" | tail -60 ;;
     linear)
       python3 -m bench.few_rows_linear --out "$out/few_rows_linear.json" 2>&1 | tee "$out/few_rows_linear.log" | tail -20
-      python3 -m bench.few_rows_linear --in-graph --out "$out/few_rows_in_graph.json" 2>&1 | tee "$out/few_rows_in_graph.log" | tail -9 ;;
+      python3 -m bench.few_rows_linear --in-graph --out "$out/few_rows_in_graph.json" 2>&1 | tee "$out/few_rows_in_graph.log" | tail -9
+      python3 -m bench.few_rows_linear --in-graph --rows 16 --out "$out/few_rows_in_graph_16.json" 2>&1 \
+        | tee "$out/few_rows_in_graph_16.log" | tail -9 ;;
     attn_conv) python3 -m bench.attn_conv_kernels --out "$out/attn_conv_kernels.json" 2>&1 | tee "$out/attn_conv_kernels.log" | tail -30 ;;
     runtime)  # then the same without programmatic dependent launch: the A/B and honest kernel times
       for shape in mamba2-2.7b hybrid-8b; do

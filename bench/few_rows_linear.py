@@ -52,7 +52,7 @@ GRAPH_CONFIGS = [(bn, bk, w) for bn, bk, w in itertools.product((1, 2, 4, 8), (5
 GRAPH_CHAIN = 48  # launches per graph (12 for layers over 60 M weights, to bound memory)
 
 
-# dot-path tiles of the in-graph sweep at GRAPH_DOT_ROWS rows: (BN, BK, warps, stages)
+# dot-path tiles of the in-graph sweep (--rows > 1): (BN, BK, warps, stages)
 GRAPH_DOT_CONFIGS = list(itertools.product((16, 32, 64), (128, 256), (4,), (3, 4)))
 
 

@@ -204,11 +204,12 @@ def _tree_ssd_kernel(
     # C_i . B_j of the diagonal block (its columns are this tile's own nodes) and, for one-tile trees,
     # the committed-state term C_i . h0 share one pass over d_state (one chunk for one-tile trees).
     # Taller trees fetch h0 after the lower blocks, to keep registers free.
+    io_mask = row_ok[:, None] & p_ok[None, :]
     x_rows = tl.load(x_ptr + tok_i[:, None] * sx_t + h * sx_h + offs_p[None, :] * sx_p,
-                     mask=row_ok[:, None] & p_ok[None, :], other=0.0).to(tl.float32)
+                     mask=io_mask, other=0.0).to(tl.float32)
     if HAS_Z:
         z_rows = tl.load(z_ptr + tok_i[:, None] * sz_t + h * sz_h + offs_p[None, :] * sz_p,
-                         mask=row_ok[:, None] & p_ok[None, :], other=0.0).to(tl.float32)
+                         mask=io_mask, other=0.0).to(tl.float32)
     # the diagonal block's columns are the rows themselves: its ancestor tile and dt serve both the
     # path sums and the diagonal decay. dt is activated after the d_state pass is issued: its
     # reduction would otherwise hold back the loads behind it.
@@ -271,7 +272,6 @@ def _tree_ssd_kernel(
                          mask=p_ok[:, None] & n_ok[None, :], other=0.0)
             ch += tl.dot(c, tl.trans(h0), input_precision=PREC)
     y = acc + tl.exp(tl.minimum(dacs_i.to(tl.float32), 0.0))[:, None] * ch
-    io_mask = row_ok[:, None] & p_ok[None, :]
     if HAS_Z:
         y *= silu(z_rows)
     tl.store(y_ptr + tok_i[:, None] * sy_t + h * sy_h + offs_p[None, :] * sy_p,
@@ -320,6 +320,7 @@ def tree_ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, sl
         # one round, 4 warps were the fastest or within 4% of it at 16/64/128 nodes, batch 1 and 16,
         # both layer shapes (H200 sweep, BENCHMARKS.md fifth round); 8 warps cost up to 1.5x at batch 16.
         num_warps = 4
+    block_n = max(32, pow2(N) if bn == bi and bp <= 32 else min(N_CHUNK, pow2(N)))  # see N_CHUNK
     grid = (nb * (bn // bi), H, triton.cdiv(P, bp))
     D_arg = D if D is not None else A
     bias = dt_bias if dt_bias is not None else torch.zeros_like(A)
@@ -330,7 +331,7 @@ def tree_ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, sl
         hpg, lo, hi,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
         *ssm_state.stride(), *zt.stride(), *y.stride(), ancestors.stride(0),
-        P=P, N=N, ROW_TILES=bn // bi, BI=bi, BP=bp, BN=max(32, pow2(N) if bn == bi and bp <= 32 else min(N_CHUNK, pow2(N))),
+        P=P, N=N, ROW_TILES=bn // bi, BI=bi, BP=bp, BN=block_n,
         HAS_D=D is not None, HAS_Z=z is not None, PREC=dot_precision(x.dtype),
         **pdl.launch_options(x.device),
         num_warps=num_warps,

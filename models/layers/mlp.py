@@ -13,6 +13,15 @@ from models.layers.linear import Linear
 SILU = ("silu", "swish")  # transformers' ACT2FN names of F.silu
 
 
+def gated_activation(gate_up: torch.Tensor, act_name: str, act) -> torch.Tensor:
+    """gate_up (T, 2I) = gate | up -> act(gate) * up (T, I). SiLU runs as one fused pass
+    (kernels/silu_mul.py), rounded where torch rounds; other activations as torch composes them."""
+    if act_name in SILU:
+        return ops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act(gate) * up
+
+
 class MLP(nn.Module):
     """`down(act(gate(x)) * up(x))` with gate|up fused in one projection, or `down(act(up(x)))`."""
 
@@ -31,11 +40,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, d_model) -> (T, d_model)."""
         if self.spec.gated:
-            gate_up = self.gate_up_proj(x)
-            if self.spec.act in SILU:  # one fused pass (kernels/silu_mul.py), rounded as torch rounds
-                return self.down_proj(ops.silu_mul(gate_up))
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(self.act(gate) * up)
+            return self.down_proj(gated_activation(self.gate_up_proj(x), self.spec.act, self.act))
         return self.down_proj(self.act(self.up_proj(x)))
 
 
@@ -90,8 +95,7 @@ class MoE(nn.Module):
     def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
         up = F.linear(h, self.experts_up[e])
         if self.spec.gated:
-            gate, up = up.chunk(2, dim=-1)
-            return F.linear(self.act(gate) * up, self.experts_down[e])
+            return F.linear(gated_activation(up, self.spec.act, self.act), self.experts_down[e])
         return F.linear(self.act(up), self.experts_down[e])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

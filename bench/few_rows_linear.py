@@ -4,20 +4,20 @@ configurations.
 
     python -m bench.few_rows_linear --out FILE.json [--reps 30]
     python -m bench.few_rows_linear --in-graph --out FILE.json   # one-row tiles, timed as decode runs them
-    python -m bench.few_rows_linear --in-graph --rows 16 --out FILE.json   # dot tiles and cuBLAS, as verify runs them
+    python -m bench.few_rows_linear --in-graph --rows 16,64 --out FILE.json   # dot tiles and cuBLAS, as verify runs them
 
 Method as bench.ssm_kernels (its Timer: L2 evicted before every timed call, host launch hidden,
 medians). Floor = weight bytes / the copy bandwidth measured in the same run (x and y are
-negligible). The one-row kernel is swept at 1 row, the dot kernel at 16 rows (its tile; the row
-count is not compiled in, so fewer rows cost the same); each sweep's summary names the
-configuration with the lowest geometric-mean time over the shapes, which is then timed at 2, 4
-and 8 rows beside cuBLAS.
+negligible). The one-row kernel is swept at 1 row, the dot kernel at 16 rows (its smallest row
+tile; fewer rows cost the same); each sweep's summary names the configuration with the lowest
+geometric-mean time over the shapes, which is then timed at 2, 4 and 8 rows beside cuBLAS.
 
-`--in-graph` times one-row tiles (or, with `--rows M`, dot tiles next to cuBLAS) the way a decode step runs them instead: a CUDA graph of GRAPH_CHAIN
+`--in-graph` times one-row tiles (or, with `--rows M[,M2...]`, dot tiles next to cuBLAS, and the tile
+with the best geometric mean over the shapes) the way a decode step runs them instead: a CUDA graph of GRAPH_CHAIN
 back-to-back launches on distinct weights (programmatic dependent launch as configured, see
 kernels/pdl.py), replay time / GRAPH_CHAIN, median of 15 replays; the floor assumes the copy
 bandwidth measured first. Isolated launches overstate small layers (a launch's fixed cost) and miss
-what PDL overlaps, which is why kernels/few_rows_linear.ROW_TILES comes from this mode.
+what PDL overlaps, which is why kernels/few_rows_linear.ROW_TILES and DOT_TILES come from this mode.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.ssm_kernels import Timer, copy_bandwidth
-from kernels.few_rows_linear import few_rows_linear, few_rows_linear_ref
+from kernels.few_rows_linear import DotTile, few_rows_linear, few_rows_linear_ref
 
 DEV = "cuda"
 # (name, K in, N out): bench.model_runtime's two models
@@ -43,7 +43,7 @@ SHAPES = [
 ROW_CONFIGS = [(bn, bk, w, 0) for bn, bk, w in itertools.product((4, 8, 16), (256, 512, 1024), (2, 4, 8))
                if 32 <= bn * bk // (w * 32) <= 64]
 # dot kernel: (BN, BK, warps, stages)
-DOT_CONFIGS = list(itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4)))
+DOT_CONFIGS = [DotTile(*c, 264, True) for c in itertools.product((64, 128, 256), (64, 128), (4, 8), (3, 4))]
 
 
 # one-row tiles of the in-graph sweep: (BN, BK, warps) with 16-64 fp32 partial sums per thread
@@ -52,8 +52,10 @@ GRAPH_CONFIGS = [(bn, bk, w) for bn, bk, w in itertools.product((1, 2, 4, 8), (5
 GRAPH_CHAIN = 48  # launches per graph (12 for layers over 60 M weights, to bound memory)
 
 
-# dot-path tiles of the in-graph sweep (--rows > 1): (BN, BK, warps, stages)
-GRAPH_DOT_CONFIGS = list(itertools.product((16, 32, 64), (128, 256), (4,), (3, 4)))
+# dot-path tiles of the in-graph sweep (--rows > 1): DotTile fields (BN, BK, warps, stages, programs the
+# reduction is split for, W first)
+GRAPH_DOT_CONFIGS = ([DotTile(*c, True) for c in itertools.product((64,), (64, 128), (4,), (3, 4), (132, 198, 264, 396))]
+                     + [DotTile(128, 128, 4, 3, 264, True), DotTile(128, 64, 8, 3, 264, True)])
 
 
 def graph_time(step, n_launches: int) -> float:
@@ -81,7 +83,7 @@ def in_graph_sweep(bw: float, rows: int) -> dict:
     """{shape: {"floor_us", "us": {config: µs per launch}}} over GRAPH_CONFIGS (one row) or
     GRAPH_DOT_CONFIGS plus cuBLAS ("cublas") for more rows; prints each shape's five best."""
     out = {}
-    configs = ([(bn, bk, w, 0) for bn, bk, w in GRAPH_CONFIGS] if rows == 1 else GRAPH_DOT_CONFIGS)
+    configs = ([(bn, bk, w, 0, 0) for bn, bk, w in GRAPH_CONFIGS] if rows == 1 else GRAPH_DOT_CONFIGS)
     for name, K, N in SHAPES:
         weights = [(torch.randn(N, K, device=DEV) * K ** -0.5).to(torch.bfloat16)
                    for _ in range(GRAPH_CHAIN if N * K < 60e6 else 12)]
@@ -91,7 +93,12 @@ def in_graph_sweep(bw: float, rows: int) -> dict:
             def chain():
                 for W in weights:
                     few_rows_linear(x, W, **knobs(cfg))
-            res["{}x{}w{}".format(*cfg) + (f"s{cfg[3]}" if cfg[3] else "")] = graph_time(chain, len(weights))
+            try:
+                t = graph_time(chain, len(weights))
+            except Exception as e:  # a configuration that does not fit (shared memory): not a candidate
+                print(f"  {cfg}: {type(e).__name__}: {str(e)[:80]}")
+                continue
+            res[config_name(cfg)] = t
         if rows > 1:
             def chain_cublas():
                 for W in weights:
@@ -105,9 +112,32 @@ def in_graph_sweep(bw: float, rows: int) -> dict:
     return out
 
 
-def knobs(cfg):
-    bn, bk, w, st = cfg
-    return dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st or None)
+def print_best_overall(sweep: dict) -> None:
+    """The configurations with the lowest geometric mean over the shapes, each shape's time under
+    the best of them, and cuBLAS's."""
+    names = [k for k in next(iter(sweep.values()))["us"] if all(k in v["us"] for v in sweep.values())]
+    score = {k: math.exp(sum(math.log(v["us"][k]) for v in sweep.values()) / len(sweep)) for k in names}
+    ranked = sorted(names, key=score.get)
+    print("best overall:", [(k, round(score[k], 2)) for k in ranked[:6]])
+    best = next(k for k in ranked if k != "cublas")
+    for name, v in sweep.items():
+        print(f"  {name:28s} floor {v['floor_us']:6.1f}  {best} {v['us'][best]:6.2f}  cuBLAS {v['us']['cublas']:6.2f}")
+
+
+def knobs(cfg) -> dict:
+    """few_rows_linear's tile keywords for a sweep entry: a DotTile, or (BN, BK, warps, _, _) of the
+    one-row kernel."""
+    if isinstance(cfg, DotTile):
+        return cfg._asdict()
+    bn, bk, w = cfg[:3]
+    return dict(block_n=bn, block_k=bk, warps=w)
+
+
+def config_name(cfg) -> str:
+    if isinstance(cfg, DotTile):
+        return (f"{cfg.block_n}x{cfg.block_k}w{cfg.warps}s{cfg.stages}p{cfg.programs}"
+                + ("W" if cfg.w_first else "X"))
+    return "{}x{}w{}".format(*cfg[:3])
 
 
 def main(argv=None) -> None:
@@ -115,14 +145,20 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--in-graph", action="store_true", help="sweep tiles inside CUDA graphs instead")
-    ap.add_argument("--rows", type=int, default=1, help="rows of x in the in-graph sweep (> 1: the dot path and cuBLAS)")
+    ap.add_argument("--rows", default="1", help="rows of x in the in-graph sweep, comma-separated (> 1: the dot path and cuBLAS)")
     args = ap.parse_args(argv)
     timer = Timer(args.reps, warmup=3)
     bw = copy_bandwidth(timer)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     if args.in_graph:
+        sweeps = {}
+        for rows in map(int, args.rows.split(",")):
+            print(f"--- {rows} row(s)")
+            sweeps[rows] = in_graph_sweep(bw, rows)
+            if rows > 1:
+                print_best_overall(sweeps[rows])
         with open(args.out, "w") as f:
-            json.dump(dict(copy_bandwidth_GBps=bw / 1e9, rows=args.rows, in_graph=in_graph_sweep(bw, args.rows)), f, indent=1)
+            json.dump(dict(copy_bandwidth_GBps=bw / 1e9, in_graph=sweeps), f, indent=1)
         return
     gen = torch.Generator(device=DEV).manual_seed(0)
     weights = {name: (torch.randn(N, K, device=DEV, generator=gen) * K ** -0.5).to(torch.bfloat16)

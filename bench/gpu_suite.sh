@@ -20,8 +20,8 @@ for stage in $stages; do
     linear)
       python3 -m bench.few_rows_linear --out "$out/few_rows_linear.json" 2>&1 | tee "$out/few_rows_linear.log" | tail -20
       python3 -m bench.few_rows_linear --in-graph --out "$out/few_rows_in_graph.json" 2>&1 | tee "$out/few_rows_in_graph.log" | tail -9
-      python3 -m bench.few_rows_linear --in-graph --rows 16 --out "$out/few_rows_in_graph_16.json" 2>&1 \
-        | tee "$out/few_rows_in_graph_16.log" | tail -9 ;;
+      python3 -m bench.few_rows_linear --in-graph --rows 16,64 --out "$out/few_rows_in_graph_dot.json" 2>&1 \
+        | tee "$out/few_rows_in_graph_dot.log" | grep -v "^  " | tail -12 ;;
     attn_conv) python3 -m bench.attn_conv_kernels --out "$out/attn_conv_kernels.json" 2>&1 | tee "$out/attn_conv_kernels.log" | tail -30 ;;
     runtime)  # then the same without programmatic dependent launch: the A/B and honest kernel times
       for shape in mamba2-2.7b hybrid-8b; do

@@ -3,15 +3,22 @@ stream.
 
 At a few tokens a projection's cost is reading W once. cuBLAS answers these shapes with split-K GEMM
 kernels plus a reduction launch, and at the Mamba2-2.7B and 8B-hybrid projection shapes they read W
-at 1.2-2.6x the copy floor on an H200 (BENCHMARKS.md). Here each program owns BN output columns and
-streams its BN rows of W (contiguous along K) in BK-wide tiles, once:
-- one row: no tensor cores, one fp32 partial sum per output column and lane, reduced at the end;
-- 2..MAX_ROWS rows: the rows padded to a 16-row tile and a tensor-core dot per W tile.
+at 1.2-2.6x the copy floor on an H200 (BENCHMARKS.md). Here each weight element is read once, by
+one program:
+- one row: each program owns BN output columns and streams its BN rows of W (contiguous along K) in
+  BK-wide tiles; no tensor cores, one fp32 partial sum per output column and lane, reduced at the end;
+- 2..MAX_ROWS rows: the rows padded to a 16/32/64-row tile and a tensor-core dot per W tile. Every
+  program re-reads x for its columns, so x's traffic is M/BN of W's: the column tiles are wide, and
+  the reduction is split across programs (split-K) so that a narrow layer still has enough programs
+  streaming. A column tile's last program to finish adds the partial sums (in split order, so the
+  result does not depend on timing) and writes y: one launch, no separate reduction kernel.
 
     x (M, K) rows may be strided, weight (N, K), bias (N,) or None -> y (M, N) in x's dtype,
     fp32 accumulation, one rounding.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -21,7 +28,7 @@ from kernels import pdl
 from kernels.pdl import release_next, wait_for_previous
 from kernels.ssm_common import dot_precision, last_axis_contiguous
 
-MAX_ROWS = 16  # rows of x one launch handles (one 16-row dot tile)
+MAX_ROWS = 64  # rows of x one launch handles (one 64-row dot tile)
 # One row: (least N, BN output columns, BK reduction width) per program, by the layer's output
 # width N, and warps per program. From an H200 sweep timed the way decode runs them (a CUDA graph of
 # back-to-back launches under PDL: `python -m bench.few_rows_linear --in-graph`): within 1.05x of the
@@ -30,8 +37,27 @@ MAX_ROWS = 16  # rows of x one launch handles (one 16-row dot tile)
 # fp32 partial sums.
 ROW_TILES = ((4096, 4, 1024), (2048, 2, 1024), (0, 1, 2048))
 ROW_WARPS = 4
-# the same for the dot path (2..MAX_ROWS rows), and its pipeline depth
-DOT_BLOCK_N, DOT_BLOCK_K, DOT_WARPS, DOT_STAGES = 32, 256, 4, 4
+
+
+class DotTile(NamedTuple):
+    """A dot-path launch: BN output columns and BK reduction width per program, warps, pipeline
+    stages; the reduction is split into as many parts as keep the launch within `programs` programs
+    (at least one part; never finer than one BK tile per program); `w_first`: the weight tile is the
+    MMA's left operand."""
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    programs: int
+    w_first: bool
+
+
+# The dot path (2..MAX_ROWS rows), by its row tile BM (16, 32, 64): the best geometric mean over the
+# benchmark models' projection shapes at 16 rows of an H200 sweep of 18 tiles (`python -m
+# bench.few_rows_linear --in-graph --rows 16`, CUDA graphs under PDL). At most 264 programs is two per
+# SM; a launch that leaves some SMs a third program waits on them (the 2.7B out_proj at 16 rows: 13.9 µs
+# in 280 programs, 10.0 in 240).
+DOT_TILES = {bm: DotTile(64, 128, 4, 3, 264, True) for bm in (16, 32, 64)}
 
 
 def few_rows_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,6 +66,58 @@ def few_rows_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+class SplitWorkspace:
+    """Per-device scratch of the split-K dot path: fp32 partial sums and per-column-tile arrival
+    counters (zero between launches; each launch leaves them at zero). Kernels on one device's
+    stream run one after another (under PDL a kernel writes only after the previous one completed),
+    so one buffer serves every layer. A split launch needs about programs x BN x BM partial sums,
+    whatever the layer, so the first buffer is sized for any default launch.
+    - It grows outside CUDA graph capture only: a launch captured into a graph must not allocate,
+      so a capture that finds it too small runs unsplit instead (the runtime's warm-up pass before
+      capture sizes it).
+    - A buffer it outgrows is kept, never freed: graphs captured earlier still write to it."""
+
+    MIN_PARTS = 1 << 20  # fp32 partial sums (4 MiB)
+    MIN_TILES = 1 << 14
+    _by_device: dict = {}
+    _retired: list = []
+
+    @classmethod
+    def get(cls, device: torch.device, part_numel: int, tiles: int):
+        """(parts fp32, arrivals int32) of at least these sizes on `device`, or None during a capture
+        that would need them to grow."""
+        have = cls._by_device.get(device)
+        if have is not None and have[0].numel() >= part_numel and have[1].numel() >= tiles:
+            return have
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if have is not None:
+            cls._retired.append(have)
+        part_numel = max(part_numel, 2 * have[0].numel() if have else cls.MIN_PARTS)
+        tiles = max(tiles, 2 * have[1].numel() if have else cls.MIN_TILES)
+        cls._by_device[device] = (torch.empty(part_numel, dtype=torch.float32, device=device),
+                                  torch.zeros(tiles, dtype=torch.int32, device=device))
+        return cls._by_device[device]
+
+
+def dot_launch(M: int, N: int, K: int, elem_bytes: int, **override) -> dict:
+    """The dot path's launch for M (2..MAX_ROWS) rows of a (N, K) weight: BM, BN, BK, warps,
+    stages, W first or not, splits of K and the BK-wide reduction tiles per program (only the last
+    split may reach past K). `override`: DotTile fields to replace (the benchmark's sweep)."""
+    bm = max(16, triton.next_power_of_2(M))
+    tile = DOT_TILES[bm]
+    if elem_bytes > 2:
+        # fp32 operands take three tf32 passes and twice the bytes per tile: narrower tiles keep
+        # the pipelined loop out of local memory
+        tile = tile._replace(block_n=32, block_k=64)
+    tile = tile._replace(**{k: v for k, v in override.items() if v is not None})
+    k_tiles = triton.cdiv(K, tile.block_k)
+    want = max(1, tile.programs // triton.cdiv(N, tile.block_n))
+    per = triton.cdiv(k_tiles, min(want, k_tiles))
+    return dict(BM=bm, BN=tile.block_n, BK=tile.block_k, num_warps=tile.warps, num_stages=tile.stages,
+                w_first=tile.w_first, splits=triton.cdiv(k_tiles, per), k_tiles_per_program=per)
 
 
 @triton.jit
@@ -69,34 +147,84 @@ def _one_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_wn, BN: tl.constexpr, BK
 
 
 @triton.jit
-def _rows_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym, BN: tl.constexpr,
-                     BK: tl.constexpr, STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
-                     PDL: tl.constexpr):
+def _tile_product(x, w, acc, W_FIRST: tl.constexpr, PREC: tl.constexpr):
+    """acc + x w^T for x (BM, BK), w (BN, BK): acc (BM, BN), or its transpose (BN, BM) with W_FIRST,
+    where W is the MMA's wide left operand and the few rows its narrow right one (Hopper's
+    warpgroup MMA needs a left operand of 64 or more rows)."""
+    if W_FIRST:
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
+    else:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _rows_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, k_tiles_per_program,
+                     s_xm, s_wn, s_ym, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     STAGES: tl.constexpr, W_FIRST: tl.constexpr, SPLIT_K: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+    """Program (n, s) owns output columns n*BN.. and the reduction's BK-wide tiles
+    s*k_tiles_per_program.. (past K: masked to zero); with
+    SPLIT_K the partial sums go to part (splits, BM, N) fp32 and the column tile's last program to
+    arrive (arrive_ptr[n], left at zero) adds them up and writes y."""
     release_next(PDL)
-    BM: tl.constexpr = 16  # the smallest dot tile; rows past M are masked to zero
-    m = tl.arange(0, BM)
+    m = tl.arange(0, BM)  # rows past M are masked to zero
     m_ok = m < M
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    pid_n = tl.program_id(0)
+    n = pid_n * BN + tl.arange(0, BN)
     n_ok = n < N
-    k = tl.arange(0, BK)
+    k_lo = tl.program_id(1) * k_tiles_per_program * BK
+    k = k_lo + tl.arange(0, BK)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * s_wn
     # as in the one-row kernel: the first weight tile does not depend on the kernel before, so under
     # PDL it loads while that kernel finishes; x may come from it
-    w0 = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0, eviction_policy="evict_first")
+    w0 = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0,
+                 eviction_policy="evict_first")
     wait_for_previous(PDL)
     x0 = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-    acc = tl.dot(x0, tl.trans(w0), tl.zeros((BM, BN), dtype=tl.float32), input_precision=PREC)
-    for k0 in tl.range(BK, K, BK, num_stages=STAGES):
-        kk = k0 + k
+    if W_FIRST:  # the accumulator and every (row, column) offset below are laid out (BN, BM)
+        acc = _tile_product(x0, w0, tl.zeros((BN, BM), dtype=tl.float32), W_FIRST, PREC)
+        y_off = m[None, :] * s_ym + n[:, None]
+        p_off = m[None, :] * N + n[:, None]
+        y_ok = n_ok[:, None] & m_ok[None, :]
+    else:
+        acc = _tile_product(x0, w0, tl.zeros((BM, BN), dtype=tl.float32), W_FIRST, PREC)
+        y_off = m[:, None] * s_ym + n[None, :]
+        p_off = m[:, None] * N + n[None, :]
+        y_ok = m_ok[:, None] & n_ok[None, :]
+    for t in tl.range(1, k_tiles_per_program, num_stages=STAGES):
+        kk = k_lo + t * BK + tl.arange(0, BK)
         k_ok = kk < K
         x = tl.load(x_ptr + m[:, None] * s_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
                     eviction_policy="evict_first")
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+        acc = _tile_product(x, w, acc, W_FIRST, PREC)
+    if SPLIT_K:
+        tl.store(part_ptr + tl.program_id(1) * BM * N + p_off, acc, mask=y_ok)
+        # every store of this program is done (barrier) before its arrival is published (release);
+        # the last arriver's acquire makes the other programs' partial sums visible to it
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrive_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(1) - 1:
+            acc = tl.zeros_like(acc)
+            for s in range(tl.num_programs(1)):  # in split order: the sum does not depend on timing
+                acc += tl.load(part_ptr + s * BM * N + p_off, mask=y_ok, other=0.0, cache_modifier=".cg")
+            tl.store(arrive_ptr + pid_n, 0)  # ready for the next launch
+            _store_y(acc, y_ptr + y_off, y_ok, b_ptr, n, n_ok, HAS_BIAS, W_FIRST)
+    else:
+        _store_y(acc, y_ptr + y_off, y_ok, b_ptr, n, n_ok, HAS_BIAS, W_FIRST)
+
+
+@triton.jit
+def _store_y(acc, y_at, y_ok, b_ptr, n, n_ok, HAS_BIAS: tl.constexpr, W_FIRST: tl.constexpr):
+    """acc (+ bias along the output columns n), rounded once, to y."""
     if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + m[:, None] * s_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+        bias = tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+        if W_FIRST:
+            acc += bias[:, None]
+        else:
+            acc += bias[None, :]
+    tl.store(y_at, acc.to(y_at.dtype.element_ty), mask=y_ok)
 
 
 def one_row_tile(N: int) -> tuple[int, int]:
@@ -105,10 +233,10 @@ def one_row_tile(N: int) -> tuple[int, int]:
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                    block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                    num_stages: int | None = None):
+                    out: torch.Tensor | None = None, **tile):
     """Triton `few_rows_linear`: same contract as the twin, for up to MAX_ROWS rows; x and weight of
-    one dtype. Keyword-only tuning knobs are for the benchmark sweep."""
+    one dtype; y written into `out` (M, N) contiguous when given. `tile`: the launch's tuning knobs
+    (`DotTile` fields, or block_n / block_k / warps for one row), for the benchmark sweep."""
     M, K = x.shape
     N = weight.shape[0]
     if weight.shape[1] != K:
@@ -117,7 +245,9 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         raise ValueError(f"{M} rows: few_rows_linear takes at most {MAX_ROWS} (use F.linear)")
     if x.dtype != weight.dtype:
         raise ValueError(f"x is {x.dtype} but weight is {weight.dtype}")
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if out is not None and (out.shape != (M, N) or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous ({M}, {N}) {x.dtype} tensor")
+    y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
     x = last_axis_contiguous(x)
@@ -125,20 +255,22 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     b = bias if bias is not None else weight
     if M == 1:
         bn, bk = one_row_tile(N)
-        bn, bk = block_n or bn, block_k or bk
+        bn, bk = tile.get("block_n") or bn, tile.get("block_k") or bk
         _one_row_kernel[(triton.cdiv(N, bn),)](
             x, weight, b, y, N, K, weight.stride(0), BN=bn, BK=bk,
-            HAS_BIAS=bias is not None, **pdl.launch_options(x.device), num_warps=num_warps or ROW_WARPS,
+            HAS_BIAS=bias is not None, **pdl.launch_options(x.device), num_warps=tile.get("warps") or ROW_WARPS,
         )
         return y
-    bn = block_n or DOT_BLOCK_N
-    # fp32 operands take three tf32 passes (near-fp32 sums) and twice the bytes per tile: narrower
-    # tiles keep the pipelined loop out of local memory
-    bk = block_k or (DOT_BLOCK_K if x.element_size() == 2 else 64)
-    _rows_dot_kernel[(triton.cdiv(N, bn),)](
-        x, weight, b, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0), BN=bn, BK=bk,
-        STAGES=num_stages or DOT_STAGES, HAS_BIAS=bias is not None,
-        PREC=dot_precision(x.dtype), **pdl.launch_options(x.device),
-        num_warps=num_warps or DOT_WARPS,
+    plan = dot_launch(M, N, K, x.element_size(), **tile)
+    tiles_n, splits = triton.cdiv(N, plan["BN"]), plan["splits"]
+    scratch = SplitWorkspace.get(x.device, splits * plan["BM"] * N, tiles_n) if splits > 1 else None
+    if scratch is None:  # unsplit: one program per column tile over the whole reduction
+        splits, plan["k_tiles_per_program"] = 1, triton.cdiv(K, plan["BK"])
+        scratch = (y, y)  # not read
+    _rows_dot_kernel[(tiles_n, splits)](
+        x, weight, b, y, scratch[0], scratch[1], M, N, K, plan["k_tiles_per_program"], x.stride(0),
+        weight.stride(0), y.stride(0), BM=plan["BM"], BN=plan["BN"], BK=plan["BK"],
+        STAGES=plan["num_stages"], W_FIRST=plan["w_first"], SPLIT_K=splits > 1, HAS_BIAS=bias is not None,
+        PREC=dot_precision(x.dtype), **pdl.launch_options(x.device), num_warps=plan["num_warps"],
     )
     return y

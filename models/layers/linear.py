@@ -1,6 +1,11 @@
-"""Projections. A single row on CUDA (a decode step of one sequence, a one-node tree) is a weight
-stream, which our kernel reads faster than cuBLAS does (kernels/few_rows_linear.py, measured in
-BENCHMARKS.md); everything else is F.linear."""
+"""Projections. Where our weight-streaming kernel reads the weight faster than cuBLAS on CUDA
+(kernels/few_rows_linear.py, measured in BENCHMARKS.md), the projection runs it; everything else is
+F.linear:
+- a single row (a decode step of one sequence, a one-node tree), any layer;
+- 2..DOT_ROWS rows (a small tree, a small decode batch) of a layer at most DOT_MAX_OUT wide. There
+  cuBLAS splits K and adds a reduction launch; our split-K kernel reduces in its last program.
+  Wider layers (in_proj, the MLP's gate_up) have enough output columns for cuBLAS to stream W
+  without a split, and it is faster on them."""
 from __future__ import annotations
 
 import torch
@@ -9,14 +14,18 @@ from torch import nn
 
 from kernels import ops
 
-# rows up to which the weight-streaming kernels beat cuBLAS at the benchmark models' shapes (H200,
-# bench.few_rows_linear)
-KERNEL_ROWS = 1
+DOT_ROWS = 16
+DOT_MAX_OUT = 4096
+
+
+def runs_kernel(rows: int, out_features: int) -> bool:
+    """Whether a (rows, ·) x (out_features, ·)ᵀ projection on CUDA goes to our kernel."""
+    return rows == 1 or (rows <= DOT_ROWS and out_features <= DOT_MAX_OUT)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (T, in) -> (T, out) = x weight^T (+ bias), weight (out, in)."""
-    if x.is_cuda and x.dim() == 2 and x.shape[0] <= KERNEL_ROWS and x.dtype == weight.dtype:
+    if x.is_cuda and x.dim() == 2 and x.dtype == weight.dtype and runs_kernel(x.shape[0], weight.shape[0]):
         return ops.few_rows_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

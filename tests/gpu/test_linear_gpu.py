@@ -1,5 +1,5 @@
 """The few-row linear kernel on CUDA at the benchmark models' projection shapes, bf16 weights and
-activations, both paths (one row; 2..16 rows on tensor cores): against the twin (fp32 sums, one
+activations, both paths (one row; 2..64 rows on tensor cores, the reduction split): against the twin (fp32 sums, one
 rounding) within one bf16 ulp, and the model's `linear` picks it up to its row limit. Also the
 fused q/k RoPE at the 8B hybrid's attention shape.
 
@@ -18,7 +18,7 @@ SHAPES = [(2560, 10576), (5120, 2560), (4096, 1024), (14336, 4096), (2560, 50288
 
 @gpu
 @pytest.mark.parametrize("K,N", SHAPES)
-@pytest.mark.parametrize("M", [1, 2, 5, MAX_ROWS])
+@pytest.mark.parametrize("M", [1, 2, 5, 16, 33, MAX_ROWS])
 def test_matches_twin(K, N, M):
     gen = torch.Generator(device=DEV).manual_seed(K + N + M)
     W = (torch.randn(N, K, device=DEV, generator=gen) * K ** -0.5).to(BF16)
@@ -31,14 +31,56 @@ def test_matches_twin(K, N, M):
 
 
 @gpu
-def test_model_linear_uses_it_up_to_its_row_limit(monkeypatch):
+@pytest.mark.parametrize("fresh_workspace", [False, True])
+def test_split_reduction_in_a_cuda_graph(monkeypatch, fresh_workspace):
+    """Replays of a captured launch equal the eager launch bit for bit (the partial sums are added
+    in split order), the arrival counters end at zero, and a capture that finds no workspace runs
+    unsplit rather than allocating inside the graph, giving the same y to fp32 rounding."""
+    from kernels import few_rows_linear as frl
+
+    if fresh_workspace:
+        monkeypatch.setattr(frl.SplitWorkspace, "_by_device", {})
+    else:  # one that must grow first
+        monkeypatch.setattr(frl.SplitWorkspace, "_by_device", {})
+        monkeypatch.setattr(frl.SplitWorkspace, "MIN_PARTS", 16)
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    W = (torch.randn(2560, 5120, device=DEV, generator=gen) * 5120 ** -0.5).to(BF16)
+    x = torch.randn(16, 5120, device=DEV, generator=gen).to(BF16)
+    assert frl.dot_launch(16, 2560, 5120, 2)["splits"] > 1
+    if not fresh_workspace:
+        eager = few_rows_linear(x, W)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        y = few_rows_linear(x, W)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        y.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        if fresh_workspace:
+            torch.testing.assert_close(y, few_rows_linear_ref(x, W), rtol=8e-3, atol=1e-3)
+        else:
+            assert torch.equal(y, eager)
+    if not fresh_workspace:
+        assert not frl.SplitWorkspace._by_device[x.device][1].any()
+    else:
+        assert x.device not in frl.SplitWorkspace._by_device
+
+
+@gpu
+def test_model_linear_uses_it_where_it_is_faster(monkeypatch):
+    """One row of any layer; up to DOT_ROWS rows of a layer at most DOT_MAX_OUT wide."""
     calls = []
     real = linear_mod.ops.few_rows_linear
-    monkeypatch.setattr(linear_mod.ops, "few_rows_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    W = torch.randn(64, 32, device=DEV)
-    for rows in (1, linear_mod.KERNEL_ROWS, linear_mod.KERNEL_ROWS + 1):
-        linear_mod.linear(torch.randn(rows, 32, device=DEV), W)
-    assert calls == [1, linear_mod.KERNEL_ROWS]
+    monkeypatch.setattr(linear_mod.ops, "few_rows_linear", lambda *a: calls.append(tuple(a[0].shape[:1]) + tuple(a[1].shape[:1])) or real(*a))
+    narrow, wide = linear_mod.DOT_MAX_OUT, linear_mod.DOT_MAX_OUT + 1
+    for rows, out in ((1, wide), (2, narrow), (linear_mod.DOT_ROWS, narrow), (linear_mod.DOT_ROWS + 1, narrow),
+                      (2, wide)):
+        y = linear_mod.linear(torch.randn(rows, 32, device=DEV), torch.randn(out, 32, device=DEV))
+        assert y.shape == (rows, out)
+    assert calls == [(1, wide), (2, narrow), (linear_mod.DOT_ROWS, narrow)]
 
 
 @gpu

@@ -22,15 +22,17 @@ def small_tiles(programs: int, w_first: bool) -> dict:
     return {bm: frl.DotTile(16, 32, 4, 2, programs, w_first) for bm in (16, 32, 64)}
 
 
-@pytest.mark.parametrize("M", [1, 2, 5, 33, 64])
+# (rows, programs the reduction may be split over: 1 whole, 1000 as finely as it goes, which operand of
+# the MMA the weight tile is); one row has no dot
+ROW_CASES = [(1, 1, False)] + [(M, programs, w_first) for M in (2, 5, 33, 64) for programs in (1, 1000)
+                               for w_first in (False, True)]
+
+
+@pytest.mark.parametrize("M,programs,w_first", ROW_CASES)
 @pytest.mark.parametrize("K,N", [(16, 8), (100, 37), (300, 70)])
 @pytest.mark.parametrize("dtype", [F32, F16])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("programs", [1, 1000])  # the reduction whole / split as finely as it goes
-@pytest.mark.parametrize("w_first", [False, True])  # which operand of the MMA the weight tile is
 def test_matches_twin_and_float64(monkeypatch, M, K, N, dtype, with_bias, programs, w_first):
-    if (programs > 1 or w_first) and M == 1:
-        pytest.skip("one row has no dot")
     monkeypatch.setattr(frl, "ROW_TILES", ((0, 4, 64),))  # several K tiles, the last one partial
     monkeypatch.setattr(frl, "DOT_TILES", small_tiles(programs, w_first))
     monkeypatch.setattr(frl.SplitWorkspace, "_by_device", {})

@@ -43,7 +43,7 @@ SHAPES = [
 ROW_CONFIGS = [(bn, bk, w, 0) for bn, bk, w in itertools.product((4, 8, 16), (256, 512, 1024), (2, 4, 8))
                if 32 <= bn * bk // (w * 32) <= 64]
 # dot kernel: (BN, BK, warps, stages)
-DOT_CONFIGS = [DotTile(*c, 264, True) for c in itertools.product((64, 128, 256), (64, 128), (4, 8), (3, 4))]
+DOT_CONFIGS = [DotTile(*c, 264) for c in itertools.product((64, 128, 256), (64, 128), (4, 8), (3, 4))]
 
 
 # one-row tiles of the in-graph sweep: (BN, BK, warps) with 16-64 fp32 partial sums per thread
@@ -53,9 +53,9 @@ GRAPH_CHAIN = 48  # launches per graph (12 for layers over 60 M weights, to boun
 
 
 # dot-path tiles of the in-graph sweep (--rows > 1): DotTile fields (BN, BK, warps, stages, programs the
-# reduction is split for, W first)
-GRAPH_DOT_CONFIGS = ([DotTile(*c, True) for c in itertools.product((64,), (64, 128), (4,), (3, 4), (132, 198, 264, 396))]
-                     + [DotTile(128, 128, 4, 3, 264, True), DotTile(128, 64, 8, 3, 264, True)])
+# reduction is split for)
+GRAPH_DOT_CONFIGS = ([DotTile(*c) for c in itertools.product((64,), (64, 128), (4,), (3, 4), (132, 198, 264, 396))]
+                     + [DotTile(128, 128, 4, 3, 264), DotTile(128, 64, 8, 3, 264)])
 
 
 def graph_time(step, n_launches: int) -> float:
@@ -135,8 +135,7 @@ def knobs(cfg) -> dict:
 
 def config_name(cfg) -> str:
     if isinstance(cfg, DotTile):
-        return (f"{cfg.block_n}x{cfg.block_k}w{cfg.warps}s{cfg.stages}p{cfg.programs}"
-                + ("W" if cfg.w_first else "X"))
+        return f"{cfg.block_n}x{cfg.block_k}w{cfg.warps}s{cfg.stages}p{cfg.programs}"
     return "{}x{}w{}".format(*cfg[:3])
 
 

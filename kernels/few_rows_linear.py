@@ -7,7 +7,8 @@ at 1.2-2.6x the copy floor on an H200 (BENCHMARKS.md). Here each weight element 
 one program:
 - one row: each program owns BN output columns and streams its BN rows of W (contiguous along K) in
   BK-wide tiles; no tensor cores, one fp32 partial sum per output column and lane, reduced at the end;
-- 2..MAX_ROWS rows: the rows padded to a 16/32/64-row tile and a tensor-core dot per W tile. Every
+- 2..MAX_ROWS rows: the rows padded to a 16/32/64-row tile and a tensor-core dot per W tile, W the
+  MMA's wide left operand. Every
   program re-reads x for its columns, so x's traffic is M/BN of W's: the column tiles are wide, and
   the reduction is split across programs (split-K) so that a narrow layer still has enough programs
   streaming. A column tile's last program to finish adds the partial sums (in split order, so the
@@ -42,14 +43,12 @@ ROW_WARPS = 4
 class DotTile(NamedTuple):
     """A dot-path launch: BN output columns and BK reduction width per program, warps, pipeline
     stages; the reduction is split into as many parts as keep the launch within `programs` programs
-    (at least one part; never finer than one BK tile per program); `w_first`: the weight tile is the
-    MMA's left operand."""
+    (at least one part; never finer than one BK tile per program)."""
     block_n: int
     block_k: int
     warps: int
     stages: int
     programs: int
-    w_first: bool
 
 
 # The dot path (2..MAX_ROWS rows), by its row tile BM (16, 32, 64): the best geometric mean over the
@@ -57,7 +56,7 @@ class DotTile(NamedTuple):
 # bench.few_rows_linear --in-graph --rows 16`, CUDA graphs under PDL). At most 264 programs is two per
 # SM; a launch that leaves some SMs a third program waits on them (the 2.7B out_proj at 16 rows: 13.9 µs
 # in 280 programs, 10.0 in 240).
-DOT_TILES = {bm: DotTile(64, 128, 4, 3, 264, True) for bm in (16, 32, 64)}
+DOT_TILES = {bm: DotTile(64, 128, 4, 3, 264) for bm in (16, 32, 64)}
 
 
 def few_rows_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,7 +103,7 @@ class SplitWorkspace:
 
 def dot_launch(M: int, N: int, K: int, elem_bytes: int, **override) -> dict:
     """The dot path's launch for M (2..MAX_ROWS) rows of a (N, K) weight: BM, BN, BK, warps,
-    stages, W first or not, splits of K and the BK-wide reduction tiles per program (only the last
+    stages, splits of K and the BK-wide reduction tiles per program (only the last
     split may reach past K). `override`: DotTile fields to replace (the benchmark's sweep)."""
     bm = max(16, triton.next_power_of_2(M))
     tile = DOT_TILES[bm]
@@ -117,7 +116,7 @@ def dot_launch(M: int, N: int, K: int, elem_bytes: int, **override) -> dict:
     want = max(1, tile.programs // triton.cdiv(N, tile.block_n))
     per = triton.cdiv(k_tiles, min(want, k_tiles))
     return dict(BM=bm, BN=tile.block_n, BK=tile.block_k, num_warps=tile.warps, num_stages=tile.stages,
-                w_first=tile.w_first, splits=triton.cdiv(k_tiles, per), k_tiles_per_program=per)
+                splits=triton.cdiv(k_tiles, per), k_tiles_per_program=per)
 
 
 @triton.jit
@@ -147,26 +146,18 @@ def _one_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_wn, BN: tl.constexpr, BK
 
 
 @triton.jit
-def _tile_product(x, w, acc, W_FIRST: tl.constexpr, PREC: tl.constexpr):
-    """acc + x w^T for x (BM, BK), w (BN, BK): acc (BM, BN), or its transpose (BN, BM) with W_FIRST,
-    where W is the MMA's wide left operand and the few rows its narrow right one (Hopper's
-    warpgroup MMA needs a left operand of 64 or more rows)."""
-    if W_FIRST:
-        acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
-    else:
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
-    return acc
-
-
-@triton.jit
 def _rows_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, k_tiles_per_program,
                      s_xm, s_wn, s_ym, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     STAGES: tl.constexpr, W_FIRST: tl.constexpr, SPLIT_K: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+                     STAGES: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     PREC: tl.constexpr, PDL: tl.constexpr):
     """Program (n, s) owns output columns n*BN.. and the reduction's BK-wide tiles
-    s*k_tiles_per_program.. (past K: masked to zero); with
-    SPLIT_K the partial sums go to part (splits, BM, N) fp32 and the column tile's last program to
-    arrive (arrive_ptr[n], left at zero) adds them up and writes y."""
+    s*k_tiles_per_program.. (past K: masked to zero); with SPLIT_K the partial sums go to part
+    (splits, BM, N) fp32 and the column tile's last program to arrive (arrive_ptr[n], left at zero)
+    adds them up and writes y.
+
+    The weight tile is the MMA's left operand and the few rows its right one, so the accumulator
+    and every (column, row) offset are laid out (BN, BM): Hopper's warpgroup MMA needs a left operand
+    of 64 or more rows, which BM rows of x are not (rows first, Triton falls back to mma.sync)."""
     release_next(PDL)
     m = tl.arange(0, BM)  # rows past M are masked to zero
     m_ok = m < M
@@ -182,25 +173,18 @@ def _rows_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, 
                  eviction_policy="evict_first")
     wait_for_previous(PDL)
     x0 = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-    if W_FIRST:  # the accumulator and every (row, column) offset below are laid out (BN, BM)
-        acc = _tile_product(x0, w0, tl.zeros((BN, BM), dtype=tl.float32), W_FIRST, PREC)
-        y_off = m[None, :] * s_ym + n[:, None]
-        p_off = m[None, :] * N + n[:, None]
-        y_ok = n_ok[:, None] & m_ok[None, :]
-    else:
-        acc = _tile_product(x0, w0, tl.zeros((BM, BN), dtype=tl.float32), W_FIRST, PREC)
-        y_off = m[:, None] * s_ym + n[None, :]
-        p_off = m[:, None] * N + n[None, :]
-        y_ok = m_ok[:, None] & n_ok[None, :]
+    acc = tl.dot(w0, tl.trans(x0), tl.zeros((BN, BM), dtype=tl.float32), input_precision=PREC)
     for t in tl.range(1, k_tiles_per_program, num_stages=STAGES):
         kk = k_lo + t * BK + tl.arange(0, BK)
         k_ok = kk < K
         x = tl.load(x_ptr + m[:, None] * s_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
                     eviction_policy="evict_first")
-        acc = _tile_product(x, w, acc, W_FIRST, PREC)
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
+    y_ok = n_ok[:, None] & m_ok[None, :]
     if SPLIT_K:
-        tl.store(part_ptr + tl.program_id(1) * BM * N + p_off, acc, mask=y_ok)
+        parts = part_ptr + m[None, :] * N + n[:, None]  # + split * BM * N
+        tl.store(parts + tl.program_id(1) * BM * N, acc, mask=y_ok)
         # every store of this program is done (barrier) before its arrival is published (release);
         # the last arriver's acquire makes the other programs' partial sums visible to it
         tl.debug_barrier()
@@ -208,22 +192,18 @@ def _rows_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, 
         if arrived == tl.num_programs(1) - 1:
             acc = tl.zeros_like(acc)
             for s in range(tl.num_programs(1)):  # in split order: the sum does not depend on timing
-                acc += tl.load(part_ptr + s * BM * N + p_off, mask=y_ok, other=0.0, cache_modifier=".cg")
+                acc += tl.load(parts + s * BM * N, mask=y_ok, other=0.0, cache_modifier=".cg")
             tl.store(arrive_ptr + pid_n, 0)  # ready for the next launch
-            _store_y(acc, y_ptr + y_off, y_ok, b_ptr, n, n_ok, HAS_BIAS, W_FIRST)
+            _store_y(acc, y_ptr + m[None, :] * s_ym + n[:, None], y_ok, b_ptr, n, n_ok, HAS_BIAS)
     else:
-        _store_y(acc, y_ptr + y_off, y_ok, b_ptr, n, n_ok, HAS_BIAS, W_FIRST)
+        _store_y(acc, y_ptr + m[None, :] * s_ym + n[:, None], y_ok, b_ptr, n, n_ok, HAS_BIAS)
 
 
 @triton.jit
-def _store_y(acc, y_at, y_ok, b_ptr, n, n_ok, HAS_BIAS: tl.constexpr, W_FIRST: tl.constexpr):
-    """acc (+ bias along the output columns n), rounded once, to y."""
+def _store_y(acc, y_at, y_ok, b_ptr, n, n_ok, HAS_BIAS: tl.constexpr):
+    """acc (BN, BM) (+ bias along the output columns n), rounded once, to y."""
     if HAS_BIAS:
-        bias = tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-        if W_FIRST:
-            acc += bias[:, None]
-        else:
-            acc += bias[None, :]
+        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(y_at, acc.to(y_at.dtype.element_ty), mask=y_ok)
 
 
@@ -270,7 +250,7 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     _rows_dot_kernel[(tiles_n, splits)](
         x, weight, b, y, scratch[0], scratch[1], M, N, K, plan["k_tiles_per_program"], x.stride(0),
         weight.stride(0), y.stride(0), BM=plan["BM"], BN=plan["BN"], BK=plan["BK"],
-        STAGES=plan["num_stages"], W_FIRST=plan["w_first"], SPLIT_K=splits > 1, HAS_BIAS=bias is not None,
+        STAGES=plan["num_stages"], SPLIT_K=splits > 1, HAS_BIAS=bias is not None,
         PREC=dot_precision(x.dtype), **pdl.launch_options(x.device), num_warps=plan["num_warps"],
     )
     return y

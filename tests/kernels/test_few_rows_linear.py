@@ -17,24 +17,23 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
 
 
-def small_tiles(programs: int, w_first: bool) -> dict:
+def small_tiles(programs: int) -> dict:
     """Several column and K tiles at test sizes."""
-    return {bm: frl.DotTile(16, 32, 4, 2, programs, w_first) for bm in (16, 32, 64)}
+    return {bm: frl.DotTile(16, 32, 4, 2, programs) for bm in (16, 32, 64)}
 
 
-# (rows, programs the reduction may be split over: 1 whole, 1000 as finely as it goes, which operand of
-# the MMA the weight tile is); one row has no dot
-ROW_CASES = [(1, 1, False)] + [(M, programs, w_first) for M in (2, 5, 33, 64) for programs in (1, 1000)
-                               for w_first in (False, True)]
+# (rows, programs the reduction may be split over: 1 whole, 1000 as finely as it goes); one row has
+# no split
+ROW_CASES = [(1, 1)] + [(M, programs) for M in (2, 5, 33, 64) for programs in (1, 1000)]
 
 
-@pytest.mark.parametrize("M,programs,w_first", ROW_CASES)
+@pytest.mark.parametrize("M,programs", ROW_CASES)
 @pytest.mark.parametrize("K,N", [(16, 8), (100, 37), (300, 70)])
 @pytest.mark.parametrize("dtype", [F32, F16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_twin_and_float64(monkeypatch, M, K, N, dtype, with_bias, programs, w_first):
+def test_matches_twin_and_float64(monkeypatch, M, K, N, dtype, with_bias, programs):
     monkeypatch.setattr(frl, "ROW_TILES", ((0, 4, 64),))  # several K tiles, the last one partial
-    monkeypatch.setattr(frl, "DOT_TILES", small_tiles(programs, w_first))
+    monkeypatch.setattr(frl, "DOT_TILES", small_tiles(programs))
     monkeypatch.setattr(frl.SplitWorkspace, "_by_device", {})
     gen = torch.Generator().manual_seed(M * 1000 + K + N)
     wide = torch.randn(M, K + 5, generator=gen).to(dtype)
@@ -94,7 +93,7 @@ def test_dot_launch_covers_the_reduction(M, N, K):
 def test_split_reduction_is_repeatable_and_leaves_counters_at_zero(monkeypatch):
     """The last arriver sums the partials in split order, so two launches agree bit for bit, and
     every arrival counter is back at zero for the next launch."""
-    monkeypatch.setattr(frl, "DOT_TILES", small_tiles(1000, True))
+    monkeypatch.setattr(frl, "DOT_TILES", small_tiles(1000))
     monkeypatch.setattr(frl.SplitWorkspace, "_by_device", {})
     gen = torch.Generator().manual_seed(5)
     x, W = torch.randn(5, 300, generator=gen).to(F16), torch.randn(70, 300, generator=gen).to(F16)

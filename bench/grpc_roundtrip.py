@@ -5,6 +5,9 @@ carrying a message pair per step, on the sync and the asyncio stacks. Prints the
 
     python -m bench.grpc_roundtrip WORK_MS [CALLS] [sleep|spin]
     KEEPAWAKE=1 python -m bench.grpc_roundtrip ...   # a thread in each process keeps a core busy
+    TRANSPORT=unix python -m bench.grpc_roundtrip ...  # a Unix domain socket instead of TCP on 127.0.0.1
+    GRPC_EXPERIMENTS= python -m bench.grpc_roundtrip ...  # gRPC's default transport (EventEngine), not
+                                                          # treeserve's (treeserve.grpc_env)
     IDLE_SPINNERS=16 python -m bench.grpc_roundtrip ...  # that many lowest-priority busy loops keep
                                                           # every core out of its idle states ('all':
                                                           # one per core; treeserve.cores, the servers'
@@ -56,6 +59,15 @@ def handlers(unary, bidi) -> grpc.GenericRpcHandler:
     })
 
 
+def listen(server) -> str:
+    """Bind the server; returns the target a client dials."""
+    if os.environ.get("TRANSPORT") == "unix":
+        target = f"unix:/tmp/grpc_roundtrip_{os.getpid()}.sock"
+        server.add_insecure_port(target)
+        return target
+    return f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+
+
 def serve_sync() -> None:
     def unary(request, context):
         work()
@@ -68,7 +80,7 @@ def serve_sync() -> None:
 
     server = grpc.server(futures.ThreadPoolExecutor(8))
     server.add_generic_rpc_handlers((handlers(unary, bidi),))
-    print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+    print(listen(server), flush=True)
     server.start()
     server.wait_for_termination()
 
@@ -86,7 +98,7 @@ def serve_aio() -> None:
     async def main():
         server = grpc.aio.server()
         server.add_generic_rpc_handlers((handlers(unary, bidi),))
-        print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+        print(listen(server), flush=True)
         await server.start()
         await server.wait_for_termination()
 
@@ -116,8 +128,8 @@ async def timed_async(fn) -> list[float]:
     return out
 
 
-def sync_client(role: str, port: int) -> None:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+def sync_client(role: str, target: str) -> None:
+    with grpc.insecure_channel(target) as channel:
         unary = channel.unary_unary("/b.S/U", same, same)
         report(f"{role} unary", timed(lambda: unary(PAYLOAD)))
         requests: queue.SimpleQueue = queue.SimpleQueue()
@@ -136,8 +148,8 @@ def sync_client(role: str, port: int) -> None:
         requests.put(None)
 
 
-async def aio_client(port: int) -> None:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+async def aio_client(target: str) -> None:
+    async with grpc.aio.insecure_channel(target) as channel:
         unary = channel.unary_unary("/b.S/U", same, same)
         report("aio client + aio server unary", await timed_async(lambda: unary(PAYLOAD)))
         call = channel.stream_stream("/b.S/B", same, same)()
@@ -180,10 +192,10 @@ def main_measured() -> None:
         child = subprocess.Popen([sys.executable, "-m", "bench.grpc_roundtrip", *sys.argv[1:]],
                                  env={**os.environ, "ROLE": role}, stdout=subprocess.PIPE, text=True)
         try:
-            port = int(child.stdout.readline())
-            sync_client(role, port)
+            target = child.stdout.readline().strip()
+            sync_client(role, target)
             if role == "aio-server":
-                asyncio.run(aio_client(port))
+                asyncio.run(aio_client(target))
         finally:
             child.kill()
             child.wait()

@@ -18,3 +18,4 @@ Layout (one job per module):
 | `engine` | sequences and requests, without the wire |
 | `servicer`, `cli`, `client` | the gRPC service, `treeserve drafter`, a client for it |
 """
+import treeserve  # noqa: F401,E402  (first: gRPC core settings before anything loads grpc)

@@ -1,5 +1,6 @@
 """The control plane: Ray actors (coordinator, one engine per verifier replica), acceptance and
 commits, the committed-token log, adaptive speculation and the public Generation service."""
+import treeserve  # noqa: F401,E402  (first: gRPC core settings before anything loads grpc)
 import os as _os
 
 # Ray reads these when it is imported. Engine logs are per request and step: show every line

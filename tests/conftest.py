@@ -6,6 +6,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import treeserve  # noqa: E402,F401  (gRPC core settings, before any test module loads grpc)
+
 import torch  # noqa: E402  (torch defines no Triton kernels: safe before TRITON_INTERPRET)
 
 # Without a GPU, Triton kernels run in the interpreter on CPU tensors; on a GPU they compile.

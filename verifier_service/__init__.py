@@ -12,3 +12,4 @@ Modules, each with one job:
   client     a typed client for the orchestrator
   cli        `treeserve verifier`
 """
+import treeserve  # noqa: F401,E402  (first: gRPC core settings before anything loads grpc)

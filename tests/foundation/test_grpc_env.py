@@ -1,0 +1,76 @@
+"""treeserve's gRPC core settings: which releases get them, that a user's own choice wins, that
+importing any of the project's packages sets them before grpc loads, and that the installed
+grpcio knows every name in them (an unknown one is logged and ignored by gRPC: the setting would
+silently do nothing)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from treeserve import grpc_env
+
+
+@pytest.mark.parametrize("version, applies", [
+    ("1.84.0", True), ("1.80.1", True), ("1.79.2", False), ("1.85.0", False), ("2.0.0", False),
+    ("1.84.0rc1", True), ("garbage", False), (None, False),
+])
+def test_releases(version, applies):
+    env: dict = {}
+    grpc_env.set_defaults(env, version=version or "")
+    assert grpc_env.applies_to(version) is applies
+    assert env == ({grpc_env.EXPERIMENTS: grpc_env.POLLER_NOT_EVENT_ENGINE} if applies else {})
+
+
+@pytest.mark.parametrize("own", ["", "-event_engine_client", "some_other_experiment"])
+def test_a_chosen_value_is_kept(own):
+    env = {grpc_env.EXPERIMENTS: own}
+    grpc_env.set_defaults(env, version="1.84.0")
+    assert env == {grpc_env.EXPERIMENTS: own}
+
+
+def _child(code: str, **env) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k != grpc_env.EXPERIMENTS}
+    return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                          timeout=120, check=True)
+
+
+@pytest.mark.parametrize("module", ["treeserve", "verifier_service.servicer", "drafter_service.servicer",
+                                    "orchestrator.engine", "bench.grpc_roundtrip"])
+def test_importing_the_project_sets_it_before_grpc_loads(module):
+    if not grpc_env.applies_to(grpc_env.grpcio_version()):
+        pytest.skip("the installed grpcio is outside the releases the setting is for")
+    # the child checks the environment from a hook that runs when grpc's core module loads
+    code = (
+        "import os, sys, importlib.abc\n"
+        "seen = []\n"
+        "class Spy(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'grpc' and not seen: seen.append(os.environ.get('GRPC_EXPERIMENTS'))\n"
+        "sys.meta_path.insert(0, Spy())\n"
+        f"import {module}\n"
+        "import grpc\n"
+        "print(repr(seen[0]))\n"
+    )
+    out = _child(code).stdout.strip().splitlines()[-1]
+    assert out == repr(grpc_env.POLLER_NOT_EVENT_ENGINE)
+
+
+def test_grpc_knows_every_name_and_serves_with_it():
+    if not grpc_env.applies_to(grpc_env.grpcio_version()):
+        pytest.skip("the installed grpcio is outside the releases the setting is for")
+    code = (
+        "import treeserve, grpc\n"
+        "from concurrent import futures\n"
+        "from grpc_health.v1 import health, health_pb2, health_pb2_grpc\n"
+        "server = grpc.server(futures.ThreadPoolExecutor(2))\n"
+        "health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)\n"
+        "port = server.add_insecure_port('127.0.0.1:0'); server.start()\n"
+        "with grpc.insecure_channel(f'127.0.0.1:{port}') as ch:\n"
+        "    r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)\n"
+        "print(r.status == health_pb2.HealthCheckResponse.SERVING)\n"
+        "server.stop(0)\n"
+    )
+    done = _child(code)
+    assert done.stdout.strip().splitlines()[-1] == "True"
+    assert "Unknown experiment" not in done.stderr, done.stderr

@@ -24,6 +24,7 @@ PASS_THROUGH = {
     "ssm-kernels": ("bench.ssm_kernels", "SSM kernels (tree scan, commit, decode, prefill) against their floors"),
     "attn-conv-kernels": ("bench.attn_conv_kernels", "tree conv and tree attention kernels"),
     "model-runtime": ("bench.model_runtime", "model runtime: decode vs floor, verify cost ratio, CUDA graphs"),
+    "commit-graphs": ("bench.commit_graphs", "commits replayed as CUDA graphs against eager commits, one process"),
     "verifier-service": ("bench.verifier_service", "verifier service: nodes/s and gRPC overhead vs sequences"),
     "drafter": ("bench.drafter", "drafter: draft time per tree vs budget, draft-ahead in a greedy loop"),
 }

@@ -27,13 +27,15 @@ from kernels.tree_index import ancestor_mask, packed_rows, tree_sizes
 def write_tree_kv_ref(k_cache, v_cache, k, v, cu_seqlens, slot_idx, cache_lens):
     """In place: node i of tree b goes to `cache[slot_idx[b], cache_lens[b] + i]`.
 
-    k_cache, v_cache (S, Lmax, Hkv, Dh); k, v (T, Hkv, Dh).
+    k_cache, v_cache (S, Lmax, Hkv, Dh); k, v (T, Hkv, Dh) with T >= cu_seqlens[-1]: rows past the
+    last tree are padding and are not written (a CUDA graph's commit has a fixed row count).
     """
-    tree, local = packed_rows(cu_seqlens, k.shape[0])
+    T = int(cu_seqlens[-1])
+    tree, local = packed_rows(cu_seqlens, T)
     slot = slot_idx.long()[tree]
     pos = cache_lens.long()[tree] + local
-    k_cache[slot, pos] = k.to(k_cache.dtype)
-    v_cache[slot, pos] = v.to(v_cache.dtype)
+    k_cache[slot, pos] = k[:T].to(k_cache.dtype)
+    v_cache[slot, pos] = v[:T].to(v_cache.dtype)
 
 
 def tree_attention_ref(q, k_cache, v_cache, parents, cu_seqlens, slot_idx, cache_lens, max_nodes, scale,
@@ -359,7 +361,7 @@ def _write_kv_kernel(
     tile = tl.program_id(0)
     h = tl.program_id(1)
     row = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = row < T
+    row_ok = (row < T) & (row < tl.load(cu_ptr + B))  # rows past the last tree are padding
     # tree of each packed row: how many trees end at or before it
     bb = tl.arange(0, BLOCK_B)
     ends = tl.load(cu_ptr + 1 + bb, mask=bb < B, other=2147483647)
@@ -382,7 +384,8 @@ def _write_kv_kernel(
 
 def write_tree_kv(k_cache, v_cache, k, v, cu_seqlens, slot_idx, cache_lens):
     """Triton twin of `write_tree_kv_ref` (in place). One program per (packed row tile, kv head);
-    each row finds its tree by counting the trees that end at or before it."""
+    each row finds its tree by counting the trees that end at or before it; rows past the last
+    tree are not written."""
     T, Hkv, Dh = k.shape
     B = cu_seqlens.numel() - 1
     if T == 0 or B == 0:

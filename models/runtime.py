@@ -356,7 +356,7 @@ class HybridLM(nn.Module):
     def commit(self, items: Sequence[tuple[Pending, Sequence[int]]]) -> None:
         """Advance each verified slot along its accepted path (local node indices from 0 down one
         branch) by `len(path)` tokens; pendings may come from different verify calls."""
-        commit_paths(self.pool, list(items), self.A_all, self.dt_bias_all, self.dt_limit)
+        commit_paths(self.pool, list(items), self.A_all, self.dt_bias_all, self.dt_limit, self.graphs)
 
     def fork(self, src: int, dst: int) -> None:
         """dst takes a copy of src's whole state (both allocated)."""

@@ -99,21 +99,11 @@ def check_path(pending: Pending, path: Sequence[int]) -> list[int]:
     return path
 
 
-def commit(
-    pool: StatePool,
-    items: Sequence[tuple[Pending, Sequence[int]]],
-    A_all: torch.Tensor | None,
-    dt_bias_all: torch.Tensor | None,
-    dt_limit,
-) -> None:
-    """Advance each pending slot by its accepted path (node indices from the root down one branch).
+def check_commit(pool: StatePool, items: Sequence[tuple[Pending, Sequence[int]]]) -> list[list[int]]:
+    """Validate a commit before any state changes; returns each item's path as a list.
 
     Raises StaleHandle if a slot changed since its verification (already committed, decoded,
-    prefilled, forked into or freed), ValueError for a malformed path or a slot named twice.
-    Every item is checked before any state changes: a call applies all its commits or none.
-    """
-    if not items:
-        return
+    prefilled, forked into or freed), ValueError for a malformed path or a slot named twice."""
     seen: set[int] = set()
     paths = []
     for pending, path in items:
@@ -123,52 +113,109 @@ def commit(
             raise ValueError(f"slot {pending.slot} appears twice in one commit")
         seen.add(pending.slot)
         paths.append(check_path(pending, path))
-    dev = pool.device
-    Bn = len(items)
-    K = max(len(p) for p in paths)
-    slots = [p.slot for p, _ in items]
-    lens = [p.length for p, _ in items]
-    plen = [len(p) for p in paths]
-    # rows of each item's stash: the path padded to K steps (Mamba2), and the bare path (attention)
-    padded = [[p.row0 + i for i in path] + [p.row0 + path[-1]] * (K - len(path)) for (p, _), path in zip(items, paths)]
-    on_path = [[p.row0 + i for i in path] for (p, _), path in zip(items, paths)]
+    return paths
+
+
+def commit_meta(items: Sequence[tuple[Pending, Sequence[int]]], paths: list[list[int]], batch: int, steps: int,
+                attn_rows: int, pad_slot: int) -> torch.Tensor:
+    """The int64 host layout `run_commit` reads, for `batch` >= len(items) items of `steps` >=
+    the longest path:
+
+        slot_idx (batch) | cache_lens (batch) | path_len (batch) | cu_paths (batch + 1)
+        | mamba_rows (batch * steps) | attn_rows
+
+    Item b's Mamba2 rows are its path's stash rows padded to `steps` with its last one (the kernels
+    stop at path_len); its attention rows are packed from cu_paths[b], then padded to `attn_rows`
+    with row 0, which the KV write ignores (past cu_paths[-1]). Items past len(items) are no-ops on
+    `pad_slot`: path length 0. An eager commit passes batch = len(items), steps = the longest path,
+    attn_rows = the paths' total; a graph passes its bucket's sizes."""
+    n = len(items)
+    lens = [p.length for p, _ in items] + [0] * (batch - n)
+    plen = [len(path) for path in paths] + [0] * (batch - n)
     cu = [0]
-    for n in plen:
-        cu.append(cu[-1] + n)
-    flat_pad = [r for rs in padded for r in rs]
-    flat_path = [r for rs in on_path for r in rs]
-    host = torch.tensor(slots + lens + plen + cu + flat_pad + flat_path, dtype=torch.int64)
-    meta = host.to(dev)
-    split = torch.split(meta, [Bn, Bn, Bn, Bn + 1, len(flat_pad), len(flat_path)])
+    for k in plen:
+        cu.append(cu[-1] + k)
+    mamba, attn = [], []
+    for (p, _), path in zip(items, paths):
+        mamba += [p.row0 + i for i in path] + [p.row0 + path[-1]] * (steps - len(path))
+        attn += [p.row0 + i for i in path]
+    mamba += [0] * (steps * (batch - n))
+    attn += [0] * (attn_rows - len(attn))
+    slots = [p.slot for p, _ in items] + [pad_slot] * (batch - n)
+    return torch.tensor(slots + lens + plen + cu + mamba + attn, dtype=torch.int64)
+
+
+def run_commit(pool: StatePool, stash: VerifyStash, meta: torch.Tensor, batch: int, steps: int, attn_rows: int,
+               A_all: torch.Tensor | None, dt_bias_all: torch.Tensor | None, dt_limit) -> None:
+    """The device work of a commit laid out by `commit_meta` (on the device, in `meta`): gather
+    each path's stash rows and advance every block's state, one kernel call per state kind. No host
+    sync and no shape that depends on the values, so a CUDA graph can hold it."""
+    split = torch.split(meta, [batch, batch, batch, batch + 1, batch * steps, attn_rows])
     slot_idx, cache_lens, path_len, cu_paths = (t.to(torch.int32) for t in split[:4])
-    pad_idx, path_idx = split[4], split[5]
-
-    stashes = [p.stash for p, _ in items]
-    same = all(s is stashes[0] for s in stashes)
-
-    def gather(name: str, flat_idx: torch.Tensor, rows: list[list[int]], cols=slice(None)) -> torch.Tensor:
-        """Stash rows of buffer `name` (its columns `cols`), item after item -> (sum of len(rows[b]), ...)."""
-        if same:
-            return getattr(stashes[0], name)[..., cols][flat_idx]
-        parts = [getattr(st, name)[..., cols][torch.tensor(rs, dtype=torch.int64).to(dev)]
-                 for st, rs in zip(stashes, rows)]
-        return torch.cat(parts, 0)
-
+    mamba_rows, attn_idx = split[4], split[5]
     if pool.n_mamba:
         m, Lm = pool.mamba, pool.n_mamba
-        x = gather("xB", pad_idx, padded, slice(None, m.d_inner)).view(Bn, K, Lm * m.n_heads, m.head_dim)
-        Bp = gather("xB", pad_idx, padded, slice(m.d_inner, None)).view(Bn, K, Lm * m.n_groups, m.d_state)
-        xbc = gather("xbc_dt", pad_idx, padded, slice(None, m.conv_dim)).view(Bn, K, Lm * m.conv_dim)
-        dt = gather("xbc_dt", pad_idx, padded, slice(m.conv_dim, None)).view(Bn, K, Lm * m.n_heads)
+        # columns first, then rows: each gather is one kernel and leaves a contiguous tensor
+        x = stash.xB[..., : m.d_inner][mamba_rows].view(batch, steps, Lm * m.n_heads, m.head_dim)
+        Bp = stash.xB[..., m.d_inner :][mamba_rows].view(batch, steps, Lm * m.n_groups, m.d_state)
+        xbc = stash.xbc_dt[..., : m.conv_dim][mamba_rows].view(batch, steps, Lm * m.conv_dim)
+        dt = stash.xbc_dt[..., m.conv_dim :][mamba_rows].view(batch, steps, Lm * m.n_heads)
         ops.ssm_state_commit(pool.ssm_folded(), slot_idx, x, dt, Bp, path_len, A_all, dt_bias_all, dt_limit)
         ops.conv_state_commit(pool.conv_folded(), slot_idx, xbc, path_len)
     if pool.n_attn:
         a, La = pool.attention, pool.n_attn
-        k = gather("k", path_idx, on_path).view(-1, La * a.n_kv_heads, a.head_dim)
-        v = gather("v", path_idx, on_path).view(-1, La * a.n_kv_heads, a.head_dim)
+        k = stash.k[attn_idx].view(-1, La * a.n_kv_heads, a.head_dim)
+        v = stash.v[attn_idx].view(-1, La * a.n_kv_heads, a.head_dim)
         kf, vf = pool.kv_folded()
         ops.write_tree_kv(kf, vf, k, v, cu_paths, slot_idx, cache_lens)
-    for (pending, _), n in zip(items, plen):
-        pending.consumed = True
-        pool.advance(pending.slot, n)
 
+
+def merged_stash(items: Sequence[tuple[Pending, Sequence[int]]]) -> tuple[VerifyStash, list[Pending]]:
+    """Items whose handles come from different stashes: one stash holding each item's rows (its
+    verified tree's) one after the other, and handles that point into it (for `commit_meta`)."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    moved, row = [], 0
+    for p, _ in items:
+        n = len(p.parents)
+        for name, t in p.stash.tensors().items():
+            parts.setdefault(name, []).append(t[p.row0 : p.row0 + n])
+        moved.append(Pending(p.slot, p.version, p.length, p.parents, p.stash, row))
+        row += n
+    merged = object.__new__(VerifyStash)
+    for name, ts in parts.items():
+        setattr(merged, name, torch.cat(ts, 0))
+    merged.rows = row
+    return merged, moved
+
+
+def commit(
+    pool: StatePool,
+    items: Sequence[tuple[Pending, Sequence[int]]],
+    A_all: torch.Tensor | None,
+    dt_bias_all: torch.Tensor | None,
+    dt_limit,
+    graphs=None,
+) -> None:
+    """Advance each pending slot by its accepted path (node indices from the root down one branch).
+
+    Raises StaleHandle if a slot changed since its verification (already committed, decoded,
+    prefilled, forked into or freed), ValueError for a malformed path or a slot named twice.
+    Every item is checked before any state changes: a call applies all its commits or none.
+    `graphs` (a models.graphs.GraphRunner, or None): replays the commit as one CUDA graph where it
+    can (see `GraphRunner.commit`); otherwise the same program runs eagerly.
+    """
+    if not items:
+        return
+    paths = check_commit(pool, items)
+    if graphs is None or not graphs.commit(items, paths):
+        stash, pendings = items[0][0].stash, list(items)
+        if any(p.stash is not stash for p, _ in items):
+            stash, moved = merged_stash(items)
+            pendings = [(m, path) for m, (_, path) in zip(moved, items)]
+        steps = max(len(p) for p in paths)
+        attn_rows = sum(len(p) for p in paths)
+        meta = commit_meta(pendings, paths, len(items), steps, attn_rows, pool.scratch_slot).to(pool.device)
+        run_commit(pool, stash, meta, len(items), steps, attn_rows, A_all, dt_bias_all, dt_limit)
+    for (pending, _), path in zip(items, paths):
+        pending.consumed = True
+        pool.advance(pending.slot, len(path))

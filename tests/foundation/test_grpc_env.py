@@ -10,6 +10,9 @@ import pytest
 
 from treeserve import grpc_env
 
+known_release = pytest.mark.skipif(not grpc_env.applies_to(grpc_env.grpcio_version()),
+                                   reason="the installed grpcio is outside the releases the setting is for")
+
 
 @pytest.mark.parametrize("version, applies", [
     ("1.84.0", True), ("1.80.1", True), ("1.79.2", False), ("1.85.0", False), ("2.0.0", False),
@@ -35,11 +38,10 @@ def _child(code: str, **env) -> subprocess.CompletedProcess:
                           timeout=120, check=True)
 
 
+@known_release
 @pytest.mark.parametrize("module", ["treeserve", "verifier_service.servicer", "drafter_service.servicer",
                                     "orchestrator.engine", "bench.grpc_roundtrip"])
 def test_importing_the_project_sets_it_before_grpc_loads(module):
-    if not grpc_env.applies_to(grpc_env.grpcio_version()):
-        pytest.skip("the installed grpcio is outside the releases the setting is for")
     # the child checks the environment from a hook that runs when grpc's core module loads
     code = (
         "import os, sys, importlib.abc\n"
@@ -56,9 +58,8 @@ def test_importing_the_project_sets_it_before_grpc_loads(module):
     assert out == repr(grpc_env.POLLER_NOT_EVENT_ENGINE)
 
 
+@known_release
 def test_grpc_knows_every_name_and_serves_with_it():
-    if not grpc_env.applies_to(grpc_env.grpcio_version()):
-        pytest.skip("the installed grpcio is outside the releases the setting is for")
     code = (
         "import treeserve, grpc\n"
         "from concurrent import futures\n"

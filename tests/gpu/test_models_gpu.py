@@ -219,3 +219,39 @@ def test_programmatic_dependent_launch_changes_no_bit(arch, tmp_path_factory, mo
     for (la, sa), (lb, sb) in zip(*runs):
         assert sa == sb
         assert torch.equal(la, lb), f"len {len(sa)}: {(la - lb).abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("arch", GRAPH_ARCHS)
+def test_commit_graph_is_the_eager_commit_bit_for_bit(arch, tmp_path_factory):
+    """A captured commit (padded batch and path steps, attention rows padded past the last path)
+    leaves every state exactly as the eager commit of the same handles does, in bf16 on the GPU."""
+    from models.verify import commit
+
+    path, _, _ = models(arch, tmp_path_factory)
+    lm = HybridLM.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_slots=4, max_len=128)
+    rng = random.Random(12)
+    slots = [lm.pool.alloc() for _ in range(3)]
+    lm.prefill(slots, [random_prompt(rng, n, VOCAB) for n in (9, 14, 5)])
+    names = [n for n in ("ssm", "conv", "k", "v") if getattr(lm.pool, n, None) is not None]
+    for kind, sizes in (("random", (16, 5, 9)), ("chain", (7, 12, 3)), ("star", (16, 1, 4))):
+        trees = [random_tree(rng, rng.randrange(1, VOCAB), n, kind) for n in sizes]
+        res = lm.verify(slots, trees)
+        paths = [t.path_to(rng.randrange(t.size)) for t in trees]
+        items = [(res.pending[i], p) for i, p in enumerate(paths)]
+        before = {n: getattr(lm.pool, n).clone() for n in names}
+        lengths, versions = list(lm.pool._lengths), list(lm.pool._versions)
+        commit(lm.pool, items, lm.A_all, lm.dt_bias_all, lm.dt_limit, graphs=None)
+        eager = {n: getattr(lm.pool, n).clone() for n in names}
+        for n in names:
+            getattr(lm.pool, n).copy_(before[n])
+        lm.pool._lengths[:], lm.pool._versions[:] = lengths, versions
+        for p, _ in items:
+            p.consumed = False
+        assert lm.graphs.commit(items, paths), "no commit graph"
+        torch.cuda.synchronize()
+        assert not lm.graphs.failures, lm.graphs.failures
+        for n in names:
+            assert torch.equal(getattr(lm.pool, n), eager[n]), n
+        for (p, _), pth in zip(items, paths):  # what commit() does after the device work
+            p.consumed = True
+            lm.pool.advance(p.slot, len(pth))

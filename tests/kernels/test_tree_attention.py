@@ -123,6 +123,23 @@ def test_write_tree_kv_bit_identical(dtype):
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("pad", [1, 37])
+def test_write_tree_kv_ignores_rows_past_the_last_tree(impl, pad):
+    """A commit graph passes a fixed number of rows: those past cu[-1] must change nothing (the last
+    tree would otherwise write them past its path, even past its slot's capacity)."""
+    case = Case(MIXED, 4, 2, 16, [0, 3, 9, 1, 2, 30], torch.float32, seed=11, S=9)
+    gen = torch.Generator().manual_seed(pad)
+    k = torch.cat([case.k, torch.randn(pad, *case.k.shape[1:], generator=gen)])
+    v = torch.cat([case.v, torch.randn(pad, *case.v.shape[1:], generator=gen)])
+    write = ta.write_tree_kv if impl == "triton" else ta.write_tree_kv_ref
+    kc, vc = case.caches()
+    write(kc, vc, k, v, case.cu, case.slots, case.lens)
+    kr, vr = case.caches()
+    ta.write_tree_kv_ref(kr, vr, case.k, case.v, case.cu, case.slots, case.lens)  # no padding
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_kv_commit_then_decode_equals_sequential(impl):
     """Commit an accepted branch, then decode the bonus token: the cache holds exactly what feeding the
     accepted tokens one at a time writes, and every output matches the sequential run."""

@@ -76,3 +76,43 @@ def test_shared_stash_survives_a_second_verify(saved):
     for b, (p, t, path_) in enumerate(((prompts[0], t0, p0), (prompts[1], t1, p1))):
         ref = hf_logits(model, p + t.tokens_along(path_) + [b + 1])[-1]
         assert (out[b] - ref).abs().max() < 1e-4
+
+
+def _state(pool) -> dict:
+    return {n: getattr(pool, n).clone() for n in ("ssm", "conv", "k", "v") if getattr(pool, n, None) is not None}
+
+
+def test_graph_commit_is_the_eager_commit_bit_for_bit(saved):
+    """The commit program a graph replays (padded batch, path steps padded to the bucket, attention
+    rows padded past the last path) changes exactly what the eager commit changes, to the bit, and
+    the graph path is the one taken for handles of the shared stash."""
+    from models.verify import commit
+
+    path, _ = saved("bamba")  # Mamba2 and attention blocks: every state kind
+    lm = HybridLM.from_pretrained(path, max_slots=4, max_len=48)
+    lm.graphs = GraphRunner(lm, node_buckets=(4, 8), capture=False)
+    rng = random.Random(9)
+    slots = [lm.pool.alloc() for _ in range(3)]
+    lm.prefill(slots, [random_prompt(rng, n) for n in (5, 7, 4)])
+    for kind, sizes in (("random", (8, 3, 6)), ("chain", (5, 7, 2)), ("star", (8, 8, 1))):
+        trees = [random_tree(rng, rng.randrange(1, 96), n, kind) for n in sizes]
+        res = lm.verify(slots, trees)
+        paths = [t.path_to(rng.randrange(t.size)) for t in trees]
+        items = [(res.pending[i], p) for i, p in enumerate(paths)]
+        before, lengths, versions = _state(lm.pool), list(lm.pool._lengths), list(lm.pool._versions)
+        commit(lm.pool, items, lm.A_all, lm.dt_bias_all, lm.dt_limit, graphs=None)
+        eager = _state(lm.pool)
+        for name, t in before.items():  # undo, and commit the same handles through the graph
+            getattr(lm.pool, name).copy_(t)
+        lm.pool._lengths[:], lm.pool._versions[:] = lengths, versions
+        for p, _ in items:
+            p.consumed = False
+        taken = []
+        lm.graphs.commit = lambda *a, _run=type(lm.graphs).commit.__get__(lm.graphs): taken.append(_run(*a)) or taken[-1]
+        lm.commit(items)
+        del lm.graphs.commit
+        assert taken == [True], "the commit did not replay a graph"
+        for name, t in _state(lm.pool).items():
+            assert torch.equal(t, eager[name]), name
+        assert all(p.consumed for p, _ in items)
+        assert [lm.pool.length(s) for s in slots] == [n + len(p) for n, p in zip(lengths, paths)]

@@ -169,7 +169,8 @@ class GraphRunner:
         replay; the caller then marks the handles consumed. False, with nothing done, when it does
         not fit a graph: a handle whose stash no longer aliases the shared one, sizes past the
         buckets, a failed capture. The caller then commits eagerly."""
-        if not all(self._aliases_stash(p.stash) for p, _ in items):
+        shared = self.stash.tensors()
+        if not all(getattr(p.stash, name, None) is t for p, _ in items for name, t in shared.items()):
             return False
         Bb = _bucket(len(items), self.batch_buckets)
         Kb = _bucket(max(len(p) for p in paths), self.node_buckets)
@@ -181,9 +182,6 @@ class GraphRunner:
         g.meta.copy_(commit_meta(items, paths, Bb, Kb, Bb * Kb, self.lm.pool.scratch_slot), non_blocking=True)
         g.replay()
         return True
-
-    def _aliases_stash(self, stash) -> bool:
-        return all(getattr(stash, name, None) is t for name, t in self.stash.tensors().items())
 
     def capture_all(self) -> None:
         """Capture every bucket now (start-up), instead of on first use."""

@@ -107,8 +107,8 @@ def test_graph_commit_is_the_eager_commit_bit_for_bit(saved):
         lm.pool._lengths[:], lm.pool._versions[:] = lengths, versions
         for p, _ in items:
             p.consumed = False
-        taken = []
-        lm.graphs.commit = lambda *a, _run=type(lm.graphs).commit.__get__(lm.graphs): taken.append(_run(*a)) or taken[-1]
+        taken, graph_commit = [], lm.graphs.commit
+        lm.graphs.commit = lambda *a: taken.append(graph_commit(*a)) or taken[-1]
         lm.commit(items)
         del lm.graphs.commit
         assert taken == [True], "the commit did not replay a graph"

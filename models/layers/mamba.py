@@ -115,12 +115,17 @@ class MambaMixer(nn.Module):
     def verify(self, h: torch.Tensor, batch: Packed, pool: StatePool, stash) -> torch.Tensor:
         """h (T, d_model) packed tree nodes -> (T, d_model); state untouched, commit data stashed."""
         s = self.spec
-        zxbcdt, z, _, _ = self._project(h)
-        # conv, scan and the commit stash in one kernel (separate ones for trees over one tile)
-        y = ops.tree_conv_ssd_scan(
-            zxbcdt[:, s.d_inner:], self.conv_weight, self.conv_bias, pool.conv_layer(self.layer), self.A, self.D,
-            self.dt_bias, pool.ssm_layer(self.layer), batch.parents, batch.cu_seqlens, batch.slot_idx,
-            batch.max_nodes, s.dt_limit, *stash.mamba_rows(self.layer, h.shape[0]),
+        zxbcdt, z, xbc, dt = self._project(h)
+        conv_out = ops.tree_conv1d(
+            xbc, self.conv_weight, self.conv_bias, pool.conv_layer(self.layer),
+            batch.parents, batch.cu_seqlens, batch.slot_idx, batch.max_nodes,
+        )
+        x, B, C = self._split_conv(conv_out)
+        y = ops.tree_ssd_scan(
+            x, dt, self.A, B, C, self.D, self.dt_bias, pool.ssm_layer(self.layer),
+            batch.parents, batch.cu_seqlens, batch.slot_idx, batch.max_nodes, s.dt_limit,
             ancestors=batch.ancestors(),  # built once per forward, shared by every Mamba layer
         )
+        # xBC | dt and x | B are adjacent columns: two copies for the four commit inputs
+        stash.put_mamba(self.layer, zxbcdt[:, s.d_inner:], conv_out[:, : s.d_inner + s.n_groups * s.d_state])
         return self._finish(y, z)

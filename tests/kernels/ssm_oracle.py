@@ -175,59 +175,6 @@ def tree_case(spec, H, P, N, G, seed, dtype=torch.float32, slots=5, dt_scale=1.0
     ), lists
 
 
-def conv_scan_case(spec, H, P, N, G, W, seed, dtype=torch.float32, slots=5, with_bias=True, dt_scale=1.0,
-                   dt_shift=0.0, a_max=3.0):
-    """(kwargs of tree_conv_ssd_scan with NaN-poisoned stash buffers, per-tree parent lists)."""
-    import random
-
-    from tests.kernels import tree_cases
-
-    gen = torch.Generator().manual_seed(seed)
-    parents, cu, max_nodes, lists = tree_cases.packed_batch(spec, random.Random(seed))
-    T = int(cu[-1])
-    conv_dim = H * P + 2 * G * N
-    A, D, dt_bias = layer_weights(H, gen, a_max)
-    xbc = rand(gen, T, conv_dim, dtype=dtype)
-    dt = _dt(gen, (T, H), dtype, dt_scale, dt_shift)
-    return dict(
-        xbc_dt=torch.cat([xbc, dt], dim=1), conv_weight=rand(gen, conv_dim, W, dtype=dtype, scale=0.5),
-        conv_bias=rand(gen, conv_dim, dtype=dtype) if with_bias else None,
-        conv_state=rand(gen, slots, conv_dim, W - 1, dtype=dtype), A=A, D=D, dt_bias=dt_bias,
-        ssm_state=rand(gen, slots, H, P, N), parents=parents, cu_seqlens=cu,
-        slot_idx=torch.randperm(slots, generator=gen)[: len(spec)].to(torch.int32), max_nodes=max_nodes,
-        dt_limit=LIMIT, stash_raw=torch.full((T, conv_dim + H), float("nan"), dtype=dtype),
-        stash_xB=torch.full((T, H * P + G * N), float("nan"), dtype=dtype),
-    ), lists
-
-
-def oracle_conv_scan(args: dict, lists) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y (T, H, P), conv output (T, conv_dim)) in float64 for conv_scan_case-style kwargs: each
-    node's conv over [committed conv state | its root-to-node raw inputs], then the one-token
-    recurrence along its path."""
-    import torch.nn.functional as F
-
-    from tests.kernels.tree_cases import path_to
-
-    w, bias, state = args["conv_weight"].double(), args["conv_bias"], args["conv_state"].double()
-    conv_dim = w.shape[0]
-    H, P, N = args["ssm_state"].shape[1:]
-    G = (conv_dim - H * P) // (2 * N)
-    raw = args["xbc_dt"][:, :conv_dim].double()
-    conv = torch.empty_like(raw)
-    for b, lst in enumerate(lists):
-        r0, slot = int(args["cu_seqlens"][b]), int(args["slot_idx"][b])
-        for i in range(len(lst)):
-            seq = torch.cat([state[slot], raw[[r0 + j for j in path_to(lst, i)]].t()], dim=1)
-            out = F.conv1d(seq[None], w[:, None, :], None if bias is None else bias.double(), groups=conv_dim)
-            conv[r0 + i] = F.silu(out[0, :, -1])
-    T = raw.shape[0]
-    x, B, C = conv.split([H * P, G * N, G * N], dim=1)
-    step = Mamba2Step(args["A"], args["D"], args["dt_bias"], args["dt_limit"])
-    y = tree_outputs(step, args["ssm_state"], x.reshape(T, H, P), args["xbc_dt"][:, conv_dim:], B.reshape(T, G, N),
-                     C.reshape(T, G, N), lists, args["slot_idx"])
-    return y, conv
-
-
 def chain_case(nb, K, H, P, N, G, seed, dtype=torch.float32, slots=6, dt_scale=1.0, dt_shift=0.0, a_max=3.0,
                with_z=True):
     """kwargs of ssm_chain_update: `nb` sequences of `K` tokens each."""

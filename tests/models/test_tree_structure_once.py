@@ -1,5 +1,5 @@
 """A verify forward builds the tree's ancestor bits once and hands the same tensor to every Mamba
-layer's tree kernel, eagerly and in the static-buffer program that CUDA graphs capture."""
+layer's tree scan, eagerly and in the static-buffer program that CUDA graphs capture."""
 from __future__ import annotations
 
 import random
@@ -13,7 +13,7 @@ from tests.models.trees import random_tree
 
 def _spy(monkeypatch):
     builds, seen = [], []
-    build, scan = ops.ancestor_bits, ops.tree_conv_ssd_scan
+    build, scan = ops.ancestor_bits, ops.tree_ssd_scan
 
     def counting_build(*args, **kwargs):
         out = build(*args, **kwargs)
@@ -25,7 +25,7 @@ def _spy(monkeypatch):
         return scan(*args, **kwargs)
 
     monkeypatch.setattr(ops, "ancestor_bits", counting_build)
-    monkeypatch.setattr(ops, "tree_conv_ssd_scan", recording_scan)
+    monkeypatch.setattr(ops, "tree_ssd_scan", recording_scan)
     return builds, seen
 
 

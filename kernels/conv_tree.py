@@ -31,13 +31,25 @@ def _packed_tree_ids(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor
     return tree, cu_seqlens[:-1].long()[tree]
 
 
-def tree_conv1d_ref(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, max_nodes, *, out=None):
+def tree_conv1d_ref(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, max_nodes, *, out=None,
+                    stash=None):
     """Tree causal conv + SiLU.
 
     xbc (T, D), weight (D, W), bias (D,) or None, conv_state (S, D, W-1), parents (T,) int32 local,
     cu_seqlens (B+1,) int32, slot_idx (B,) int32 -> (T, D) in xbc's dtype (fp32 accumulation).
     `out (T, D)` receives the result when given.
+
+    `stash = (raw (T, D + E), conv (T, F))`, F <= D, keeps what a commit needs as a side output:
+    raw <- xbc and conv <- the result's first F columns. xbc may then carry E more columns after
+    its D conv channels (a verify's dt), which are copied to raw and not convolved.
     """
+    if stash is not None:
+        _check_stash(xbc, weight, stash)
+        y = tree_conv1d_ref(xbc[:, : weight.shape[0]], weight, bias, conv_state, parents, cu_seqlens, slot_idx,
+                            max_nodes, out=out)
+        stash[0].copy_(xbc)
+        stash[1].copy_(y[:, : stash[1].shape[1]])
+        return y
     T, D = xbc.shape
     W = weight.shape[1]
     tree, start = _packed_tree_ids(cu_seqlens, T)
@@ -60,6 +72,16 @@ def tree_conv1d_ref(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx
         acc += bias.float()[None, :]
     y = F.silu(acc).to(xbc.dtype)
     return y if out is None else out.copy_(y)
+
+
+def _check_stash(xbc, weight, stash) -> None:
+    raw, conv = stash
+    T, D = xbc.shape[0], weight.shape[0]
+    if xbc.shape[1] < D or raw.shape != xbc.shape or conv.dim() != 2 or conv.shape[0] != T or conv.shape[1] > D:
+        raise ValueError(f"stash {tuple(raw.shape)}, {tuple(conv.shape)} does not fit input {tuple(xbc.shape)} "
+                         f"of a {D}-channel conv")
+    if raw.stride(1) != 1 or conv.stride(1) != 1:
+        raise ValueError("the stash's last axes must be contiguous")
 
 
 def conv_state_commit_ref(conv_state, slot_idx, xbc_path, path_len):
@@ -101,12 +123,14 @@ def conv1d_prefill_ref(xbc, weight, bias, conv_state=None):
 
 @triton.jit
 def _tree_conv1d_kernel(
-    x_ptr, w_ptr, bias_ptr, state_ptr, parents_ptr, cu_ptr, slot_ptr, out_ptr,
-    D,
-    stride_xt, stride_wd, stride_ss, stride_sd, stride_ot,
-    W: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, state_ptr, parents_ptr, cu_ptr, slot_ptr, out_ptr, raw_ptr, keep_ptr,
+    D, DX, F,
+    stride_xt, stride_wd, stride_ss, stride_sd, stride_ot, stride_rt, stride_kt,
+    W: tl.constexpr, HAS_BIAS: tl.constexpr, STASH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Programs (node tile, tree, channel block). With STASH, the channel blocks span all DX input
+    columns: the node's own row (tap 0) goes to raw, the first F outputs to keep."""
     release_next(PDL)
     wait_for_previous(PDL)  # every input below may come from the kernel before
     tile = tl.program_id(0)
@@ -129,9 +153,14 @@ def _tree_conv1d_kernel(
         on_path = cur >= 0
         beyond += tl.where(on_path, 0, 1)
         src = (start + tl.maximum(cur, 0)).to(tl.int64)
+        # tap 0 reads every input column the stash keeps; columns past D meet zero weights
+        cols_ok = (d < DX) if STASH and s == 0 else d_ok
         val = tl.load(
-            x_ptr + src[:, None] * stride_xt + d[None, :], mask=on_path[:, None] & d_ok[None, :], other=0.0
+            x_ptr + src[:, None] * stride_xt + d[None, :], mask=on_path[:, None] & cols_ok[None, :], other=0.0
         ).to(tl.float32)
+        if STASH and s == 0:
+            tl.store(raw_ptr + rows[:, None] * stride_rt + d[None, :], val.to(raw_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & cols_ok[None, :])
         if s > 0:  # the node itself is always on its path
             col = W - 1 - beyond  # state column, oldest first; in [0, W-2] whenever it is read
             from_state = row_ok & (cur < 0)
@@ -150,6 +179,9 @@ def _tree_conv1d_kernel(
     y = acc / (1.0 + tl.exp(-acc))
     tl.store(out_ptr + rows[:, None] * stride_ot + d[None, :], y.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
+    if STASH:
+        tl.store(keep_ptr + rows[:, None] * stride_kt + d[None, :], y.to(keep_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (d < F)[None, :])
 
 
 def _conv_blocks(D: int, rows: int = 16) -> int:
@@ -158,13 +190,20 @@ def _conv_blocks(D: int, rows: int = 16) -> int:
     return min(triton.next_power_of_2(max(D, 16)), max(128, min(1024, 2048 // rows)))
 
 
-def tree_conv1d(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, max_nodes, *, out=None):
+def tree_conv1d(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, max_nodes, *, out=None,
+                stash=None):
     """Triton twin of `tree_conv1d_ref`: one program per (node tile, tree, channel block).
 
     Each node walks up at most W-1 ancestors through `parents` (one gather per step); no mask is built.
+    The stash, when given, is written by the same programs: a verify needs no separate copy launch.
     """
-    T, D = xbc.shape
+    if stash is not None:
+        _check_stash(xbc, weight, stash)
+    T, DX = xbc.shape
+    D = weight.shape[0]
     W = weight.shape[1]
+    if stash is None and DX != D:
+        raise ValueError(f"input has {DX} columns for a {D}-channel conv")
     if not 1 <= W <= 4:
         raise ValueError(f"conv width {W} is not in 1..4")
     xbc = xbc.contiguous() if xbc.stride(1) != 1 else xbc
@@ -172,20 +211,22 @@ def tree_conv1d(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, ma
     if W > 1 and conv_state.stride(2) != 1:
         raise ValueError("conv_state must be contiguous along its last axis")
     if out is None:
-        out = torch.empty_like(xbc)
-    elif out.shape != xbc.shape or out.stride(1) != 1:
+        out = torch.empty(T, D, dtype=xbc.dtype, device=xbc.device)
+    elif out.shape != (T, D) or out.stride(1) != 1:
         raise ValueError("out must be (T, D) with contiguous channels")
     B = cu_seqlens.numel() - 1
     if T == 0 or B == 0:
         return out
     BLOCK_T = min(16, triton.next_power_of_2(max(int(max_nodes), 1)))
     BLOCK_D = _conv_blocks(D, BLOCK_T)
-    grid = (triton.cdiv(int(max_nodes), BLOCK_T), B, triton.cdiv(D, BLOCK_D))
+    raw, keep = stash if stash is not None else (out, out)
+    grid = (triton.cdiv(int(max_nodes), BLOCK_T), B, triton.cdiv(DX if stash is not None else D, BLOCK_D))
     _tree_conv1d_kernel[grid](
-        xbc, weight, bias if bias is not None else weight, conv_state, parents, cu_seqlens, slot_idx, out,
-        D,
+        xbc, weight, bias if bias is not None else weight, conv_state, parents, cu_seqlens, slot_idx, out, raw, keep,
+        D, DX, keep.shape[1],
         xbc.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
-        W=W, HAS_BIAS=bias is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+        raw.stride(0), keep.stride(0),
+        W=W, HAS_BIAS=bias is not None, STASH=stash is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
         **pdl.launch_options(xbc.device),
     )
     return out

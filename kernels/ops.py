@@ -30,7 +30,6 @@ _HOME = {
     "gated_rms_norm": "kernels.norms",
     "few_rows_linear": "kernels.few_rows_linear",
     "rope_qk": "kernels.rope",
-    "copy_rows_pair": "kernels.copy_rows",
     "silu_mul": "kernels.silu_mul",
 }
 
@@ -75,5 +74,4 @@ add_rms_norm = _dispatcher("add_rms_norm")
 gated_rms_norm = _dispatcher("gated_rms_norm")
 few_rows_linear = _dispatcher("few_rows_linear")
 rope_qk = _dispatcher("rope_qk")
-copy_rows_pair = _dispatcher("copy_rows_pair")
 silu_mul = _dispatcher("silu_mul")

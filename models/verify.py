@@ -22,9 +22,9 @@ class VerifyStash:
 
     xbc_dt (T, n_mamba, conv_dim + H): a layer's raw conv inputs | raw dt; xB (T, n_mamba,
     d_inner + G*N): its x | B; k, v (T, n_attn, Hkv, Dh). All in the model dtype. Each pair sits side
-    by side as in a layer's in_proj output (z | xBC | dt) and conv output (x | B | C), so a Mamba2
-    layer stashes with two copies, not four (each copy is a launch, and a verify runs them for every
-    layer); the commit splits the columns.
+    by side as in a layer's in_proj output (z | xBC | dt) and conv output (x | B | C), so the layer's
+    tree conv writes both while it reads the one and computes the other, with no copy launch of its
+    own; the commit splits the columns.
     """
 
     def __init__(self, pool: StatePool, T: int, dtype: torch.dtype):
@@ -39,11 +39,10 @@ class VerifyStash:
             self.k = torch.empty(T, pool.n_attn, a.n_kv_heads, a.head_dim, dtype=dtype, device=dev)
             self.v = torch.empty_like(self.k)
 
-    def put_mamba(self, layer: int, xbc_dt, xB) -> None:
-        """Mamba2 block number `layer`: xbc_dt (T, conv_dim + H) = in_proj's xBC | dt columns,
-        xB (T, d_inner + G*N) = the conv output's x | B columns."""
-        T = xbc_dt.shape[0]
-        ops.copy_rows_pair(self.xbc_dt[:T, layer], xbc_dt, self.xB[:T, layer], xB)  # one launch
+    def mamba_rows(self, layer: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where Mamba2 block number `layer` keeps its first `T` rows: views (xbc_dt (T, conv_dim + H),
+        xB (T, d_inner + G*N)), which the layer's tree conv writes as a side output."""
+        return self.xbc_dt[:T, layer], self.xB[:T, layer]
 
     def put_attention(self, layer: int, k, v) -> None:
         """k, v (T, Hkv, Dh) of attention block number `layer`."""

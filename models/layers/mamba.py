@@ -115,10 +115,13 @@ class MambaMixer(nn.Module):
     def verify(self, h: torch.Tensor, batch: Packed, pool: StatePool, stash) -> torch.Tensor:
         """h (T, d_model) packed tree nodes -> (T, d_model); state untouched, commit data stashed."""
         s = self.spec
-        zxbcdt, z, xbc, dt = self._project(h)
+        zxbcdt, z, _, dt = self._project(h)
+        # the conv also keeps what a commit needs: xBC | dt as they came (adjacent in_proj columns)
+        # and its own x | B
         conv_out = ops.tree_conv1d(
-            xbc, self.conv_weight, self.conv_bias, pool.conv_layer(self.layer),
+            zxbcdt[:, s.d_inner:], self.conv_weight, self.conv_bias, pool.conv_layer(self.layer),
             batch.parents, batch.cu_seqlens, batch.slot_idx, batch.max_nodes,
+            stash=stash.mamba_rows(self.layer, h.shape[0]),
         )
         x, B, C = self._split_conv(conv_out)
         y = ops.tree_ssd_scan(
@@ -126,6 +129,4 @@ class MambaMixer(nn.Module):
             batch.parents, batch.cu_seqlens, batch.slot_idx, batch.max_nodes, s.dt_limit,
             ancestors=batch.ancestors(),  # built once per forward, shared by every Mamba layer
         )
-        # xBC | dt and x | B are adjacent columns: two copies for the four commit inputs
-        stash.put_mamba(self.layer, zxbcdt[:, s.d_inner:], conv_out[:, : s.d_inner + s.n_groups * s.d_state])
         return self._finish(y, z)

@@ -69,6 +69,26 @@ def test_tree_conv1d_model_size(D):
             torch.testing.assert_close(got[int(cu[b]) + i].double(), want, **CONV_TOL)
 
 
+@pytest.mark.parametrize("D,H,F_", [(5376, 80, 5248), (6144, 128, 4608)])
+def test_tree_conv1d_stash_model_size(D, H, F_):
+    """A verify's stash as the layer writes it: raw xBC | dt and the conv's x | B, bit for bit."""
+    W, S = 4, 8
+    gen = _gen(D + 2)
+    parents, cu, max_nodes, _ = _trees(TREES, D + 2)
+    T = int(cu[-1])
+    slots = torch.tensor([3, 0, 7, 1, 5, 2], dtype=torch.int32, device=DEV)
+    xbc_dt = torch.randn(T, D + H, generator=gen, device=DEV).to(BF)
+    weight = (torch.randn(D, W, generator=gen, device=DEV) * 0.5).to(BF)
+    bias = torch.randn(D, generator=gen, device=DEV).to(BF)
+    state = torch.randn(S, D, W - 1, generator=gen, device=DEV).to(BF)
+    raw = torch.full_like(xbc_dt, float("nan"))
+    keep = torch.full((T, F_), float("nan"), dtype=BF, device=DEV)
+    got = ct.tree_conv1d(xbc_dt, weight, bias, state, parents, cu, slots, max_nodes, stash=(raw, keep))
+    assert torch.equal(got, ct.tree_conv1d(xbc_dt[:, :D].contiguous(), weight, bias, state, parents, cu, slots,
+                                           max_nodes))
+    assert torch.equal(raw, xbc_dt) and torch.equal(keep, got[:, :F_])
+
+
 @pytest.mark.parametrize("D", [5376, 6144])
 def test_conv_state_commit_and_prefill_model_size(D):
     W, S, K = 4, 8, 9

@@ -68,6 +68,36 @@ def test_tree_conv1d_each_kind_alone(kind):
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("fn", ["tree_conv1d", "tree_conv1d_ref"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("W,D,E,F_", [(4, 300, 7, 200), (3, 37, 0, 37), (2, 19, 16, 1)])
+def test_tree_conv1d_stash(fn, dtype, W, D, E, F_):
+    """The stash a verify keeps: raw <- the input (D conv channels and E carried columns), bit for bit;
+    keep <- the output's first F columns, bit for bit; the output itself as without a stash."""
+    parents, cu, max_nodes, _, slots, xbc, weight, bias, state = _batch(MIXED + [(20, "chain")], D + E, W, dtype, 5)
+    weight, bias, state = weight[:D], bias[:D], state[:, :D]
+    conv = getattr(ct, fn)
+    raw = torch.full_like(xbc, float("nan"))
+    keep = torch.full((xbc.shape[0], F_), float("nan"), dtype=dtype)
+    got = conv(xbc, weight, bias, state, parents, cu, slots, max_nodes, stash=(raw, keep))
+    plain = conv(xbc[:, :D].contiguous(), weight, bias, state, parents, cu, slots, max_nodes)
+    assert torch.equal(got, plain)
+    assert torch.equal(raw, xbc)
+    assert torch.equal(keep, got[:, :F_])
+
+
+def test_tree_conv1d_stash_errors():
+    parents, cu, max_nodes, _, slots, xbc, weight, bias, state = _batch([(5, "random")], 40, 4, torch.float32, 6)
+    T = xbc.shape[0]
+    for fn in (ct.tree_conv1d, ct.tree_conv1d_ref):
+        with pytest.raises(ValueError, match="stash"):
+            fn(xbc, weight, bias, state, parents, cu, slots, max_nodes, stash=(torch.empty(T, 39), torch.empty(T, 8)))
+        with pytest.raises(ValueError, match="stash"):
+            fn(xbc, weight, bias, state, parents, cu, slots, max_nodes, stash=(torch.empty_like(xbc), torch.empty(T, 41)))
+    with pytest.raises(ValueError, match="columns"):
+        ct.tree_conv1d(xbc, weight[:39], bias[:39], state[:, :39], parents, cu, slots, max_nodes)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("W", [4, 3, 2])
 def test_conv_state_commit(dtype, W):
@@ -160,7 +190,9 @@ def test_compiles_for_sm90():
         parents, cu, max_nodes, lists, slots, xbc, weight, bias, state = _batch(trees, 300, 4, torch.bfloat16, 6)
         with record_launches(ct._tree_conv1d_kernel) as a:
             ct.tree_conv1d(xbc, weight, bias, state, parents, cu, slots, max_nodes)
-        specs.append(launch_spec(ct._tree_conv1d_kernel, *a[0]))
+            stash = (torch.empty_like(xbc), torch.empty(xbc.shape[0], 200, dtype=xbc.dtype))  # as a verify calls it
+            ct.tree_conv1d(xbc, weight[:280], bias[:280], state[:, :280], parents, cu, slots, max_nodes, stash=stash)
+        specs += [launch_spec(ct._tree_conv1d_kernel, *call) for call in a]
     with record_launches(ct._conv_commit_kernel) as b, record_launches(ct._conv_prefill_kernel) as c:
         ct.conv_state_commit(state, slots, xbc[None, :3].expand(len(lists), 3, 300).contiguous(),
                              torch.ones(len(lists), dtype=torch.int32))

@@ -153,8 +153,8 @@ def _tree_conv1d_kernel(
         on_path = cur >= 0
         beyond += tl.where(on_path, 0, 1)
         src = (start + tl.maximum(cur, 0)).to(tl.int64)
-        # tap 0 reads every input column the stash keeps; columns past D meet zero weights
-        cols_ok = (d < DX) if STASH and s == 0 else d_ok
+        # tap 0 reads every input column (DX > D only with a stash); columns past D meet zero weights
+        cols_ok = (d < DX) if s == 0 else d_ok
         val = tl.load(
             x_ptr + src[:, None] * stride_xt + d[None, :], mask=on_path[:, None] & cols_ok[None, :], other=0.0
         ).to(tl.float32)
@@ -220,7 +220,7 @@ def tree_conv1d(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, ma
     BLOCK_T = min(16, triton.next_power_of_2(max(int(max_nodes), 1)))
     BLOCK_D = _conv_blocks(D, BLOCK_T)
     raw, keep = stash if stash is not None else (out, out)
-    grid = (triton.cdiv(int(max_nodes), BLOCK_T), B, triton.cdiv(DX if stash is not None else D, BLOCK_D))
+    grid = (triton.cdiv(int(max_nodes), BLOCK_T), B, triton.cdiv(DX, BLOCK_D))
     _tree_conv1d_kernel[grid](
         xbc, weight, bias if bias is not None else weight, conv_state, parents, cu_seqlens, slot_idx, out, raw, keep,
         D, DX, keep.shape[1],

@@ -39,6 +39,15 @@ class VerifyStash:
             self.k = torch.empty(T, pool.n_attn, a.n_kv_heads, a.head_dim, dtype=dtype, device=dev)
             self.v = torch.empty_like(self.k)
 
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor], rows: int) -> "VerifyStash":
+        """A stash over existing buffers (names as in `tensors()`), `rows` rows each."""
+        stash = object.__new__(cls)
+        for name, t in tensors.items():
+            setattr(stash, name, t)
+        stash.rows = rows
+        return stash
+
     def mamba_rows(self, layer: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Where Mamba2 block number `layer` keeps its first `T` rows: views (xbc_dt (T, conv_dim + H),
         xB (T, d_inner + G*N)), which the layer's tree conv writes as a side output."""
@@ -180,11 +189,7 @@ def merged_stash(items: Sequence[tuple[Pending, Sequence[int]]]) -> tuple[Verify
             parts.setdefault(name, []).append(t[p.row0 : p.row0 + n])
         moved.append(Pending(p.slot, p.version, p.length, p.parents, p.stash, row))
         row += n
-    merged = object.__new__(VerifyStash)
-    for name, ts in parts.items():
-        setattr(merged, name, torch.cat(ts, 0))
-    merged.rows = row
-    return merged, moved
+    return VerifyStash.of({name: torch.cat(ts, 0) for name, ts in parts.items()}, row), moved
 
 
 def commit(

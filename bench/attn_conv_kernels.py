@@ -131,9 +131,10 @@ def bench_conv(tab: Table, D: int, W: int = 4):
             nbytes = 2 * T * D * e + D * (W + 1) * e + batch * D * (W - 1) * e
             tab.add("tree_conv1d", dict(D=D, B=batch, N=nodes), us, nbytes, g)
         K = 8
-        xbc_path = torch.randn(batch, K, D, generator=gen, device=DEV).to(BF)
+        xbc_rows = torch.randn(batch * K, D, generator=gen, device=DEV).to(BF)  # a verify's stash rows
+        rows = torch.arange(batch * K, device=DEV).view(batch, K)
         path_len = torch.full((batch,), 5, dtype=torch.int32, device=DEV)
-        us, g = time_us(lambda: ct.conv_state_commit(state, slots, xbc_path, path_len))
+        us, g = time_us(lambda: ct.conv_state_commit(state, slots, xbc_rows, rows, path_len))
         nbytes = batch * D * (W - 1) * e * 3  # read the last W-1 path rows, read + write the state
         tab.add("conv_state_commit", dict(D=D, B=batch, K=K), us, nbytes, g)
     L = 2048

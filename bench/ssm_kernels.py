@@ -256,8 +256,8 @@ def bench_shape(shape: str, timer: Timer, rep: Report, seed: int) -> dict:
         K, acc = 8, 6
         pool = randn(gen, nb, H, P, N, dtype=torch.float32)
         A, _, dt_bias = layer(H, gen)
-        args = (pool, torch.arange(nb, dtype=torch.int32, device=DEV), randn(gen, nb, K, H, P),
-                randn(gen, nb, K, H), randn(gen, nb, K, G, N),
+        args = (pool, torch.arange(nb, dtype=torch.int32, device=DEV), randn(gen, nb * K, H, P),
+                randn(gen, nb * K, H), randn(gen, nb * K, G, N), torch.arange(nb * K, device=DEV).view(nb, K),
                 torch.full((nb,), acc, dtype=torch.int32, device=DEV), A, dt_bias, LIMIT)
         us = timer(lambda: ssm_state_commit(*args))
         nbytes = 2 * state_bytes(shape, nb) + nb * acc * (H * P + H + G * N) * ACT_BYTES

@@ -84,19 +84,23 @@ def _check_stash(xbc, weight, stash) -> None:
         raise ValueError("the stash's last axes must be contiguous")
 
 
-def conv_state_commit_ref(conv_state, slot_idx, xbc_path, path_len):
-    """In place: conv_state[slot_idx[b]] = last W-1 columns of [conv_state[slot] | xbc_path[b, :path_len[b]]^T].
+def conv_state_commit_ref(conv_state, slot_idx, xbc, rows, path_len):
+    """In place: conv_state[slot_idx[b]] = last W-1 columns of [conv_state[slot] | xbc[rows[b, :path_len[b]]]^T].
 
-    conv_state (S, D, W-1), xbc_path (B, K, D), path_len (B,) int32 with 1 <= path_len <= K.
+    One layer: conv_state (S, D, W-1), xbc (R, D). Several layers at once: conv_state (S, L, D, W-1),
+    xbc (R, L, D). rows (nb, K) int: the row of xbc that is step k of sequence b's accepted path,
+    every entry a valid row; path_len (nb,) int32 with 1 <= path_len <= K, or 0 to commit nothing.
     """
-    Bn, K, D = xbc_path.shape
-    Wm1 = conv_state.shape[2]
-    if Wm1 == 0 or Bn == 0:
+    state, xbc = (conv_state, xbc) if conv_state.dim() == 4 else (conv_state.unsqueeze(1), xbc.unsqueeze(1))
+    nb, K = rows.shape
+    S, L, D, Wm1 = state.shape
+    if Wm1 == 0 or nb == 0:
         return
     slots = slot_idx.long()
-    seq = torch.cat([conv_state[slots], xbc_path.to(conv_state.dtype).transpose(1, 2)], dim=2)  # (B, D, W-1+K)
-    cols = path_len.long()[:, None] + torch.arange(Wm1, device=seq.device)[None, :]  # (B, W-1)
-    conv_state[slots] = torch.gather(seq, 2, cols[:, None, :].expand(Bn, D, Wm1))
+    path = xbc[rows.long()].to(state.dtype).permute(0, 2, 3, 1)  # (nb, L, D, K)
+    seq = torch.cat([state[slots], path], dim=3)  # (nb, L, D, W-1+K)
+    cols = path_len.long()[:, None] + torch.arange(Wm1, device=seq.device)[None, :]  # (nb, W-1)
+    state[slots] = torch.gather(seq, 3, cols[:, None, None, :].expand(nb, L, D, Wm1))
 
 
 def conv1d_prefill_ref(xbc, weight, bias, conv_state=None):
@@ -191,11 +195,14 @@ def _conv_blocks(D: int, rows: int = 16) -> int:
 
 
 def tree_conv1d(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, max_nodes, *, out=None,
-                stash=None):
+                stash=None, block_t: int | None = None, block_d: int | None = None,
+                num_warps: int | None = None):
     """Triton twin of `tree_conv1d_ref`: one program per (node tile, tree, channel block).
 
     Each node walks up at most W-1 ancestors through `parents` (one gather per step); no mask is built.
     The stash, when given, is written by the same programs: a verify needs no separate copy launch.
+    `block_t` (nodes per program), `block_d` (channels per program) and `num_warps` are tuning knobs
+    for benchmarks.
     """
     if stash is not None:
         _check_stash(xbc, weight, stash)
@@ -217,8 +224,8 @@ def tree_conv1d(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, ma
     B = cu_seqlens.numel() - 1
     if T == 0 or B == 0:
         return out
-    BLOCK_T = min(16, triton.next_power_of_2(max(int(max_nodes), 1)))
-    BLOCK_D = _conv_blocks(D, BLOCK_T)
+    BLOCK_T = block_t or min(16, triton.next_power_of_2(max(int(max_nodes), 1)))
+    BLOCK_D = block_d or _conv_blocks(D, BLOCK_T)
     raw, keep = stash if stash is not None else (out, out)
     grid = (triton.cdiv(int(max_nodes), BLOCK_T), B, triton.cdiv(DX, BLOCK_D))
     _tree_conv1d_kernel[grid](
@@ -227,23 +234,25 @@ def tree_conv1d(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, ma
         xbc.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
         raw.stride(0), keep.stride(0),
         W=W, HAS_BIAS=bias is not None, STASH=stash is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
-        **pdl.launch_options(xbc.device),
+        **pdl.launch_options(xbc.device), num_warps=num_warps or 4,
     )
     return out
 
 
 @triton.jit
 def _conv_commit_kernel(
-    state_ptr, slot_ptr, xp_ptr, len_ptr,
+    state_ptr, slot_ptr, x_ptr, rows_ptr, len_ptr,
     D,
-    stride_ss, stride_sd, stride_xb, stride_xk,
+    stride_ss, stride_sl, stride_sd, stride_xr, stride_xl, stride_rb, stride_rk,
     WM1: tl.constexpr, WP: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Programs (sequence, layer, channel block); path inputs read in place through the row table."""
     release_next(PDL)
     wait_for_previous(PDL)  # every input below may come from the kernel before
     b = tl.program_id(0)
-    dblk = tl.program_id(1)
+    layer = tl.program_id(1).to(tl.int64)
+    dblk = tl.program_id(2)
     slot = tl.load(slot_ptr + b).to(tl.int64)
     plen = tl.load(len_ptr + b)
     d = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -253,10 +262,11 @@ def _conv_commit_kernel(
     src = plen + c  # column of [old state | path inputs] that becomes new column c
     from_old = c_ok & (src < WM1)
     from_path = c_ok & (src >= WM1)
-    base = state_ptr + slot * stride_ss + d[:, None] * stride_sd
+    base = state_ptr + slot * stride_ss + layer * stride_sl + d[:, None] * stride_sd
     old = tl.load(base + tl.minimum(src, WM1 - 1)[None, :], mask=d_ok[:, None] & from_old[None, :], other=0.0)
+    row = tl.load(rows_ptr + b * stride_rb + tl.maximum(src - WM1, 0) * stride_rk, mask=from_path, other=0)
     new = tl.load(
-        xp_ptr + b * stride_xb + tl.maximum(src - WM1, 0)[None, :] * stride_xk + d[:, None],
+        x_ptr + row.to(tl.int64)[None, :] * stride_xr + layer * stride_xl + d[:, None],
         mask=d_ok[:, None] & from_path[None, :],
         other=0.0,
     )
@@ -265,23 +275,24 @@ def _conv_commit_kernel(
     tl.store(base + c[None, :], val, mask=d_ok[:, None] & c_ok[None, :])
 
 
-def conv_state_commit(conv_state, slot_idx, xbc_path, path_len):
+def conv_state_commit(conv_state, slot_idx, xbc, rows, path_len):
     """Triton twin of `conv_state_commit_ref` (in place; slots in `slot_idx` must be distinct)."""
-    Bn, K, D = xbc_path.shape
-    WM1 = conv_state.shape[2]
-    if WM1 == 0 or Bn == 0:
+    state, xbc = (conv_state, xbc) if conv_state.dim() == 4 else (conv_state.unsqueeze(1), xbc.unsqueeze(1))
+    nb, K = rows.shape
+    S, L, D, WM1 = state.shape
+    if WM1 == 0 or nb == 0:
         return
-    if conv_state.stride(2) != 1:
+    if state.stride(3) != 1:
         raise ValueError("conv_state must be contiguous along its last axis")
-    xbc_path = xbc_path if xbc_path.stride(2) == 1 else xbc_path.contiguous()
+    xbc = xbc if xbc.stride(2) == 1 else xbc.contiguous()
     BLOCK_D = min(256, triton.next_power_of_2(max(D, 16)))
-    grid = (Bn, triton.cdiv(D, BLOCK_D))
+    grid = (nb, L, triton.cdiv(D, BLOCK_D))
     _conv_commit_kernel[grid](
-        conv_state, slot_idx, xbc_path, path_len,
+        state, slot_idx, xbc, rows, path_len,
         D,
-        conv_state.stride(0), conv_state.stride(1), xbc_path.stride(0), xbc_path.stride(1),
+        state.stride(0), state.stride(1), state.stride(2), xbc.stride(0), xbc.stride(1), *rows.stride(),
         WM1=WM1, WP=triton.next_power_of_2(WM1), BLOCK_D=BLOCK_D,
-        **pdl.launch_options(conv_state.device),
+        **pdl.launch_options(state.device),
     )
 
 

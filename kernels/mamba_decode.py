@@ -109,7 +109,7 @@ def _gated_inputs_ref(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv
     one = torch.ones(nb, dtype=torch.int32, device=zxbcdt.device)
     cu = torch.arange(nb + 1, dtype=torch.int32, device=zxbcdt.device)
     conv_out = tree_conv1d_ref(xbc, conv_weight, conv_bias, conv_state, -one, cu, slot_idx, 1)
-    conv_state_commit_ref(conv_state, slot_idx, xbc[:, None], one)
+    conv_state_commit_ref(conv_state, slot_idx, xbc, cu[:-1, None], one)  # row b is step 0 of b
     x, Bm, Cm = conv_out.split([d_inner, G * N, G * N], dim=-1)
     y = ssm_chain_update_ref(
         ssm_state, slot_idx, x.reshape(nb, 1, H, P), dt[:, None], A, Bm.reshape(nb, 1, G, N),

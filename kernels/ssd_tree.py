@@ -279,14 +279,14 @@ def _tree_ssd_kernel(
 
 
 def tree_ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes, dt_limit, z=None,
-                  ancestors=None, *, block_p: int | None = None, num_warps: int | None = None,
-                  maxnreg: int | None = None):
+                  ancestors=None, *, block_p: int | None = None, block_n: int | None = None,
+                  num_warps: int | None = None, maxnreg: int | None = None):
     """Triton `tree_ssd_scan`: same contract as `tree_ssd_scan_ref`; `ssm_state` is only read.
 
     `ancestors` (T, W) int32 is `tree_struct.ancestor_bits(parents, cu_seqlens, max_nodes)`, built once
     per forward and shared by every layer; when None it is built here (one extra launch).
     Keyword-only tuning knobs (benchmarks): `block_p` headdim columns per program (power of two >= 16),
-    `num_warps`, `maxnreg` register cap per thread (None or 0: none); None picks the defaults below.
+    `block_n` d_state columns per load round (power of two >= 32), `num_warps`, `maxnreg` register cap per thread (None or 0: none); None picks the defaults below.
     """
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
@@ -320,7 +320,7 @@ def tree_ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, sl
         # one round, 4 warps were the fastest or within 4% of it at 16/64/128 nodes, batch 1 and 16,
         # both layer shapes (H200 sweep, BENCHMARKS.md fifth round); 8 warps cost up to 1.5x at batch 16.
         num_warps = 4
-    block_n = max(32, pow2(N) if bn == bi and bp <= 32 else min(N_CHUNK, pow2(N)))  # see N_CHUNK
+    block_n = block_n or max(32, pow2(N) if bn == bi and bp <= 32 else min(N_CHUNK, pow2(N)))  # see N_CHUNK
     grid = (nb * (bn // bi), H, triton.cdiv(P, bp))
     D_arg = D if D is not None else A
     bias = dt_bias if dt_bias is not None else torch.zeros_like(A)

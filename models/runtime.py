@@ -175,8 +175,8 @@ class HybridLM(nn.Module):
             if hasattr(b.mixer, "prepare"):
                 b.mixer.prepare()
         if self._mambas:
-            self.A_all = torch.cat([m.A for m in self._mambas])
-            self.dt_bias_all = torch.cat([m.dt_bias.detach() for m in self._mambas])
+            self.A_all = torch.stack([m.A for m in self._mambas])  # (n_mamba, H)
+            self.dt_bias_all = torch.stack([m.dt_bias.detach() for m in self._mambas])
             if any(m.spec.dt_limit != self.dt_limit for m in self._mambas):
                 raise CheckpointError("Mamba2 blocks with different dt limits are not supported")
         want = self._want_graphs

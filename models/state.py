@@ -147,16 +147,6 @@ class StatePool:
         return self.k[:, :, i], self.v[:, :, i]
 
     # ---- all layers as one (commit) ---------------------------------------------------------
-    def ssm_folded(self) -> torch.Tensor:
-        """(S + 1, n_mamba * H, P, N): every Mamba2 block's heads side by side."""
-        m = self.mamba
-        return self.ssm.view(self.ssm.shape[0], self.n_mamba * m.n_heads, m.head_dim, m.d_state)
-
-    def conv_folded(self) -> torch.Tensor:
-        """(S + 1, n_mamba * conv_dim, W - 1)."""
-        m = self.mamba
-        return self.conv.view(self.conv.shape[0], self.n_mamba * m.conv_dim, m.d_conv - 1)
-
     def kv_folded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(S + 1, capacity, n_attn * Hkv, Dh) each."""
         a = self.attention

@@ -155,21 +155,20 @@ def commit_meta(items: Sequence[tuple[Pending, Sequence[int]]], paths: list[list
 
 def run_commit(pool: StatePool, stash: VerifyStash, meta: torch.Tensor, batch: int, steps: int, attn_rows: int,
                A_all: torch.Tensor | None, dt_bias_all: torch.Tensor | None, dt_limit) -> None:
-    """The device work of a commit laid out by `commit_meta` (on the device, in `meta`): gather
-    each path's stash rows and advance every block's state, one kernel call per state kind. No host
-    sync and no shape that depends on the values, so a CUDA graph can hold it."""
+    """The device work of a commit laid out by `commit_meta` (on the device, in `meta`): advance
+    every block's state, one kernel call per state kind; the Mamba2 kernels read their path inputs
+    in place in the stash, through the row table. No host sync and no shape that depends on the
+    values, so a CUDA graph can hold it. A_all and dt_bias_all are (n_mamba, H)."""
     split = torch.split(meta, [batch, batch, batch, batch + 1, batch * steps, attn_rows])
     slot_idx, cache_lens, path_len, cu_paths = (t.to(torch.int32) for t in split[:4])
-    mamba_rows, attn_idx = split[4], split[5]
+    mamba_rows, attn_idx = split[4].view(batch, steps), split[5]
     if pool.n_mamba:
-        m, Lm = pool.mamba, pool.n_mamba
-        # columns first, then rows: each gather is one kernel and leaves a contiguous tensor
-        x = stash.xB[..., : m.d_inner][mamba_rows].view(batch, steps, Lm * m.n_heads, m.head_dim)
-        Bp = stash.xB[..., m.d_inner :][mamba_rows].view(batch, steps, Lm * m.n_groups, m.d_state)
-        xbc = stash.xbc_dt[..., : m.conv_dim][mamba_rows].view(batch, steps, Lm * m.conv_dim)
-        dt = stash.xbc_dt[..., m.conv_dim :][mamba_rows].view(batch, steps, Lm * m.n_heads)
-        ops.ssm_state_commit(pool.ssm_folded(), slot_idx, x, dt, Bp, path_len, A_all, dt_bias_all, dt_limit)
-        ops.conv_state_commit(pool.conv_folded(), slot_idx, xbc, path_len)
+        m = pool.mamba
+        x = stash.xB[..., : m.d_inner].unflatten(-1, (m.n_heads, m.head_dim))  # (T, n_mamba, H, P), a view
+        Bp = stash.xB[..., m.d_inner :].unflatten(-1, (m.n_groups, m.d_state))
+        xbc, dt = stash.xbc_dt[..., : m.conv_dim], stash.xbc_dt[..., m.conv_dim :]
+        ops.ssm_state_commit(pool.ssm, slot_idx, x, dt, Bp, mamba_rows, path_len, A_all, dt_bias_all, dt_limit)
+        ops.conv_state_commit(pool.conv, slot_idx, xbc, mamba_rows, path_len)
     if pool.n_attn:
         a, La = pool.attention, pool.n_attn
         k = stash.k[attn_idx].view(-1, La * a.n_kv_heads, a.head_dim)

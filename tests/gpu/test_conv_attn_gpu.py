@@ -95,11 +95,12 @@ def test_conv_state_commit_and_prefill_model_size(D):
     gen = _gen(D + 1)
     slots = torch.tensor([6, 1, 4, 0], dtype=torch.int32, device=DEV)
     state = torch.randn(S, D, W - 1, generator=gen, device=DEV).to(BF)
-    xbc_path = torch.randn(4, K, D, generator=gen, device=DEV).to(BF)
+    stashed = torch.randn(4 * K, D + 80, generator=gen, device=DEV).to(BF)[:, :D]  # rows of a wider stash
+    rows = torch.randperm(4 * K, generator=gen, device=DEV).view(4, K)
     path_len = torch.tensor([1, 2, 9, 5], dtype=torch.int32, device=DEV)
     got, ref = state.clone(), state.clone()
-    ct.conv_state_commit(got, slots, xbc_path, path_len)
-    ct.conv_state_commit_ref(ref, slots, xbc_path, path_len)
+    ct.conv_state_commit(got, slots, stashed, rows, path_len)
+    ct.conv_state_commit_ref(ref, slots, stashed, rows, path_len)
     assert torch.equal(got, ref)
 
     L = 1000

@@ -188,23 +188,36 @@ def chain_case(nb, K, H, P, N, G, seed, dtype=torch.float32, slots=6, dt_scale=1
     )
 
 
-def commit_case(lens, K, H, P, N, G, seed, dtype=torch.float32, slots=6, dt_scale=1.0, dt_shift=0.0, a_max=3.0):
-    """kwargs of ssm_state_commit: accepted paths of lengths `lens` padded to K steps with NaN, so
-    any read of the padding shows."""
+def commit_case(lens, K, H, P, N, G, seed, dtype=torch.float32, slots=6, dt_scale=1.0, dt_shift=0.0, a_max=3.0,
+                layers=None):
+    """kwargs of ssm_state_commit: accepted paths of lengths `lens` whose steps are random rows of the
+    per-node inputs (x, dt, B), as a verify's stash holds them. Steps past a path point at a NaN
+    row, and so do the rows no path uses, so any read of the padding shows. `layers=L` gives every
+    tensor a layer axis (after the first one; A and dt_bias (L, H)), as a commit of L layers at once."""
     gen = torch.Generator().manual_seed(seed)
     nb = len(lens)
-    A, _, dt_bias = layer_weights(H, gen, a_max)
+    lay = () if layers is None else (layers,)
+    weights = [layer_weights(H, gen, a_max) for _ in range(layers or 1)]
+    A, dt_bias = (torch.stack([w[i] for w in weights]) if layers else weights[0][i] for i in (0, 2))
     path_len = torch.tensor(lens, dtype=torch.int32)
-    pad = torch.arange(K)[None, :] >= path_len[:, None]  # (B, K)
+    R = sum(lens) + 3
+    order = 1 + torch.randperm(R - 1, generator=gen)  # row 0 is the padding row
+    rows = torch.zeros(nb, K, dtype=torch.int64)
+    used = torch.zeros(R, dtype=torch.bool)
+    at = 0
+    for b, n in enumerate(lens):
+        rows[b, :n] = order[at : at + n]
+        at += n
+    used[rows[rows > 0]] = True
 
-    def padded(t):
-        return t.masked_fill(pad.reshape(nb, K, *([1] * (t.dim() - 2))), float("nan"))
+    def stashed(t):
+        return t.masked_fill(~used.reshape(R, *([1] * (t.dim() - 1))), float("nan"))
 
     return dict(
-        ssm_state=rand(gen, slots, H, P, N), slot_idx=torch.randperm(slots, generator=gen)[:nb].to(torch.int32),
-        x_path=padded(rand(gen, nb, K, H, P, dtype=dtype)),
-        dt_path=padded(_dt(gen, (nb, K, H), dtype, dt_scale, dt_shift)),
-        B_path=padded(rand(gen, nb, K, G, N, dtype=dtype)), path_len=path_len, A=A, dt_bias=dt_bias,
+        ssm_state=rand(gen, slots, *lay, H, P, N),
+        slot_idx=torch.randperm(slots, generator=gen)[:nb].to(torch.int32),
+        x=stashed(rand(gen, R, *lay, H, P, dtype=dtype)), dt=stashed(_dt(gen, (R, *lay, H), dtype, dt_scale, dt_shift)),
+        B=stashed(rand(gen, R, *lay, G, N, dtype=dtype)), rows=rows, path_len=path_len, A=A, dt_bias=dt_bias,
         dt_limit=LIMIT,
     )
 
@@ -248,9 +261,12 @@ def oracle_commit(args: dict) -> torch.Tensor:
     step = Mamba2Step(args["A"], None, args["dt_bias"], args["dt_limit"])
     hs = []
     for b, slot in enumerate(args["slot_idx"].tolist()):
-        k = int(args["path_len"][b])
-        B = args["B_path"][b, :k]
-        _, h = chain_outputs(step, args["ssm_state"][slot], args["x_path"][b, :k], args["dt_path"][b, :k], B, B)
+        r = args["rows"][b, : int(args["path_len"][b])]
+        if len(r) == 0:  # nothing accepted: the state stays
+            hs.append(args["ssm_state"][slot].double())
+            continue
+        B = args["B"][r]
+        _, h = chain_outputs(step, args["ssm_state"][slot], args["x"][r], args["dt"][r], B, B)
         hs.append(h)
     return torch.stack(hs)
 

@@ -98,26 +98,58 @@ def test_tree_conv1d_stash_errors():
         ct.tree_conv1d(xbc, weight[:39], bias[:39], state[:, :39], parents, cu, slots, max_nodes)
 
 
+def _commit_rows(lens, K, R, gen):
+    """(nb, K) row table: distinct random rows (never row 0) for the accepted steps, row 0 past each path."""
+    perm = 1 + torch.randperm(R - 1, generator=gen)
+    rows = torch.zeros(len(lens), K, dtype=torch.int64)
+    at = 0
+    for b, n in enumerate(lens):
+        rows[b, :n] = perm[at : at + n]
+        at += n
+    return rows
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("W", [4, 3, 2])
 def test_conv_state_commit(dtype, W):
     gen = torch.Generator().manual_seed(3)
-    S, D, K = 8, 37, 6
-    lens = [1, 2, 3, 6, 4]
-    slots = torch.tensor([5, 0, 7, 2, 3], dtype=torch.int32)
+    S, D, K, R = 8, 37, 6, 30
+    lens = [1, 2, 3, 6, 4, 0]
+    slots = torch.tensor([5, 0, 7, 2, 3, 6], dtype=torch.int32)
     state = torch.randn(S, D, W - 1, generator=gen).to(dtype)
-    xbc_path = torch.randn(len(lens), K, D, generator=gen).to(dtype)
-    xbc_path[0, 1:] = float("nan")  # rows past path_len must be ignored
+    xbc = torch.randn(R, D + 5, generator=gen).to(dtype)[:, :D]  # rows of a wider buffer, as the stash
+    rows = _commit_rows(lens, K, R, gen)
+    xbc[0] = float("nan")  # the row table's padding: never read
     path_len = torch.tensor(lens, dtype=torch.int32)
     got, ref = state.clone(), state.clone()
-    ct.conv_state_commit(got, slots, xbc_path, path_len)
-    ct.conv_state_commit_ref(ref, slots, xbc_path, path_len)
+    ct.conv_state_commit(got, slots, xbc, rows, path_len)
+    ct.conv_state_commit_ref(ref, slots, xbc, rows, path_len)
     assert torch.equal(got, ref)
     untouched = [s for s in range(S) if s not in slots.tolist()]
     assert torch.equal(got[untouched], state[untouched])
     for b, n in enumerate(lens):
-        seq = torch.cat([state[int(slots[b])], xbc_path[b, :n].t()], dim=1)
+        seq = torch.cat([state[int(slots[b])], xbc[rows[b, :n]].t()], dim=1)
         assert torch.equal(got[int(slots[b])], seq[:, -(W - 1):])
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_conv_state_commit_layers_at_once(impl):
+    """A layer axis commits every layer in one call: the same as committing each layer on its own."""
+    commit = getattr(ct, "conv_state_commit" + ("" if impl == "triton" else "_ref"))
+    gen = torch.Generator().manual_seed(11)
+    S, L, D, W, K, R = 5, 3, 19, 4, 4, 12
+    lens = [2, 4, 1]
+    slots = torch.tensor([4, 1, 2], dtype=torch.int32)
+    state = torch.randn(S, L, D, W - 1, generator=gen)
+    xbc = torch.randn(R, L, D + 3, generator=gen)[..., :D]
+    rows = _commit_rows(lens, K, R, gen)
+    path_len = torch.tensor(lens, dtype=torch.int32)
+    got = state.clone()
+    commit(got, slots, xbc, rows, path_len)
+    for layer in range(L):
+        want = state[:, layer].clone()
+        ct.conv_state_commit_ref(want, slots, xbc[:, layer], rows, path_len)
+        assert torch.equal(got[:, layer], want), f"layer {layer}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -156,11 +188,12 @@ def test_commit_then_decode_equals_sequential(impl):
     tree_out = tree_conv1d(xbc, weight, bias, state, parents, cu, slots, max_nodes)
     branches = [random_branch(lst, rng) for lst in lists]
     K = max(len(p) for p in branches)
-    xbc_path = torch.zeros(len(lists), K, D)
+    rows = torch.zeros(len(lists), K, dtype=torch.int64)
     for b, p in enumerate(branches):
-        xbc_path[b, : len(p)] = xbc[int(cu[b]) + torch.tensor(p)]
+        rows[b, : len(p)] = int(cu[b]) + torch.tensor(p)
+    xbc_path = xbc[rows]
     committed = state.clone()
-    commit(committed, slots, xbc_path, torch.tensor([len(p) for p in branches], dtype=torch.int32))
+    commit(committed, slots, xbc, rows, torch.tensor([len(p) for p in branches], dtype=torch.int32))
 
     bonus = torch.randn(len(lists), D, generator=torch.Generator().manual_seed(5))
     one = torch.tensor([-1] * len(lists), dtype=torch.int32)
@@ -194,7 +227,7 @@ def test_compiles_for_sm90():
             ct.tree_conv1d(xbc, weight[:280], bias[:280], state[:, :280], parents, cu, slots, max_nodes, stash=stash)
         specs += [launch_spec(ct._tree_conv1d_kernel, *call) for call in a]
     with record_launches(ct._conv_commit_kernel) as b, record_launches(ct._conv_prefill_kernel) as c:
-        ct.conv_state_commit(state, slots, xbc[None, :3].expand(len(lists), 3, 300).contiguous(),
+        ct.conv_state_commit(state, slots, xbc, torch.zeros(len(lists), 3, dtype=torch.int64),
                              torch.ones(len(lists), dtype=torch.int32))
         ct.conv1d_prefill(xbc[:5], weight, bias, state[0])
     specs += [launch_spec(ct._conv_commit_kernel, *b[0]), launch_spec(ct._conv_prefill_kernel, *c[0])]

@@ -171,7 +171,7 @@ def test_equals_unfused_triton_kernels():
     one = torch.ones(nb, dtype=torch.int32)
     cu = torch.arange(nb + 1, dtype=torch.int32)
     conv_out = conv_tree.tree_conv1d(xbc, args["conv_weight"], args["conv_bias"], conv, -one, cu, args["slot_idx"], 1)
-    conv_tree.conv_state_commit(conv, args["slot_idx"], xbc[:, None], one)
+    conv_tree.conv_state_commit(conv, args["slot_idx"], xbc, cu[:-1, None], one)
     x, B, C = conv_out.split([d_inner, 2 * N, 2 * N], dim=-1)
     y = ssm_decode.ssm_chain_update(
         ssm, args["slot_idx"], x.reshape(nb, 1, H, P), dt[:, None], args["A"], B.reshape(nb, 1, 2, N),

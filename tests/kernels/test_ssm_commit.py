@@ -38,8 +38,29 @@ def test_half_precision_activations(dtype):
 
 def test_large_dt_does_not_overflow():
     args = commit_case([4, 2], 4, 2, 16, 16, 1, seed=9, dt_scale=12.0, dt_shift=18.0, a_max=60.0)
-    assert args["dt_path"].nan_to_num().max() > 30
+    assert args["dt"].nan_to_num().max() > 30
     check(args, 1e-4)
+
+
+@pytest.mark.parametrize("impl", [ssm_state_commit, ssm_state_commit_ref], ids=["triton", "reference"])
+def test_layers_at_once(impl):
+    """With a layer axis on every tensor, one call commits all layers: the same states as committing
+    each layer on its own; a path of length 0 leaves its slot as it was."""
+    L = 3
+    case = commit_case([2, 3, 0], 3, 4, 16, 16, 2, seed=30, layers=L)
+    pool = case["ssm_state"]
+    before = pool.clone()
+    impl(**case)
+    for layer in range(L):
+        want = before[:, layer].clone()
+        one = {k: case[k][:, layer] for k in ("x", "dt", "B")}
+        ssm_state_commit_ref(want, case["slot_idx"], **one, rows=case["rows"], path_len=case["path_len"],
+                             A=case["A"][layer], dt_bias=case["dt_bias"][layer], dt_limit=LIMIT)
+        assert_close(pool[:, layer], want, 1e-5, f"layer {layer}")
+        alone = {**case, **one, "ssm_state": before[:, layer], "A": case["A"][layer], "dt_bias": case["dt_bias"][layer]}
+        assert_close(pool[case["slot_idx"].long(), layer], oracle_commit(alone), 1e-4, f"layer {layer} vs oracle")
+    idle = int(case["slot_idx"][2])
+    assert torch.equal(pool[idle], before[idle])
 
 
 def test_commit_then_decode_equals_sequential_decode():
@@ -64,7 +85,7 @@ def commit_then_decode(device, H, P, N, G, dtype, tol, seed=21):
     x, dt, B, C, z = a["x"], a["dt"], a["B"], a["C"], a["z"]
     A, D, bias, slot_idx = a["A"], a["D"], a["dt_bias"], a["slot_idx"]
     committed = a["ssm_state"].clone()
-    ssm_state_commit(committed, slot_idx, x[rows], dt[rows], B[rows], path_len, A, bias, LIMIT)
+    ssm_state_commit(committed, slot_idx, x, dt, B, rows, path_len, A, bias, LIMIT)
 
     gen = torch.Generator().manual_seed(seed + 1)
     nxt = [torch.randn(2, 1, *shape, generator=gen).to(device, dtype) for shape in ((H, P), (H,), (G, N), (G, N))]

@@ -1,0 +1,180 @@
+"""A Mamba2 layer's state kernels at serving batch sizes, on CUDA: what a verifier step pays per
+layer besides the projections, at 1, 16 and 64 sequences with 16-node trees.
+
+    python -m bench.batch_kernels --out FILE.json [--batches 1,16,64] [--shapes ...] [--sweep]
+
+Rows, per shape (Mamba2-2.7B and the 8B hybrid's Mamba2 layers, DESIGN.md §9; the 8B layer has 8
+groups, which its conv width of 6144 implies):
+- `tree_conv1d`: the verify's tree conv as the model runs it, writing the commit stash (raw xBC | dt
+  and the conv's x | B) from the same programs;
+- `tree_ssd_scan`: the verify's tree scan with its gate, ancestor bits passed in;
+- `ssm_state_commit` and `conv_state_commit`: a commit of paths of 1-4 accepted nodes of every
+  Mamba2 layer in one launch, reading the stash rows in place as the model's commit does, reported
+  per layer;
+- `decode`: a one-token state update at the same batch, for scale.
+
+Timing is `bench.ssm_kernels.Timer`: L2 evicted before each call, host launch hidden, median. The
+floor is each kernel's unique bytes (state fp32 read, and written where it is updated; bf16
+activations) over the copy bandwidth of the same run. `--sweep` adds launch-configuration variants.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+import triton
+
+from bench.ssm_kernels import Report, Timer, copy_bandwidth, layer, randn
+from kernels.conv_tree import conv_state_commit, tree_conv1d
+from kernels.ssd_tree import tree_ssd_scan
+from kernels.ssm_commit import ssm_state_commit
+from kernels.ssm_decode import ssm_chain_update
+from kernels.tree_struct import ancestor_bits
+
+# (heads, headdim, d_state, groups, Mamba2 layers per forward)
+SHAPES = {"mamba2-2.7b": (80, 64, 128, 1, 64), "hybrid-8b": (32, 128, 128, 8, 16)}
+W = 4  # conv width
+NODES = 16  # tree size of the verifier benchmark
+PATH = 4  # commit path bucket: accepted paths of 1..4 nodes
+LIMIT = (0.0, float("inf"))
+KERNELS = ("conv", "scan", "decode", "commit")
+DEV = "cuda"
+
+SCAN_SWEEP = [(32, 64, 4, 0), (64, 128, 4, 0), (64, 64, 4, 96), (64, 64, 4, 80), (64, 64, 4, 64), (64, 128, 4, 96),
+              (64, 32, 4, 64), (128, 64, 8, 0)]  # (headdim block, d_state block, warps, register cap or 0)
+CONV_SWEEP = [(16, 128, 8), (8, 128, 4), (8, 256, 4), (4, 256, 4), (4, 512, 4), (8, 128, 2), (4, 128, 2), (2, 256, 2),
+              (2, 512, 4)]  # (node block, channel block, warps)
+COMMIT_SWEEP = [(8, 4), (16, 4), (32, 4), (32, 8), (64, 8)]  # (headdim block, warps)
+
+
+def bushy_tree(n: int, rng: random.Random) -> list[int]:
+    """Parents of a random tree whose nodes hang under one of the last few (depth about n / 3)."""
+    return [-1] + [rng.randrange(max(0, i - 3), i) for i in range(1, n)]
+
+
+def bench_shape(shape: str, batches, timer: Timer, rep: Report, sweep: bool, seed: int, kernels=KERNELS) -> None:
+    H, P, N, G, layers = SHAPES[shape]
+    d_inner = H * P
+    conv_dim = d_inner + 2 * G * N
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    rng = random.Random(seed)
+    for nb in batches:
+        T = nb * NODES
+        parents = torch.tensor([p for _ in range(nb) for p in bushy_tree(NODES, rng)], dtype=torch.int32, device=DEV)
+        cu = torch.arange(0, T + 1, NODES, dtype=torch.int32, device=DEV)
+        slots = torch.arange(nb, dtype=torch.int32, device=DEV)
+
+        # tree conv writing the stash, as a verify runs it: xbc | dt in, conv out, raw and x | B kept
+        xbc_dt = randn(gen, T, conv_dim + H)
+        weight, bias = randn(gen, conv_dim, W), randn(gen, conv_dim)
+        conv_state = randn(gen, nb, conv_dim, W - 1)
+        out = torch.empty(T, conv_dim, dtype=xbc_dt.dtype, device=DEV)
+        raw = torch.empty_like(xbc_dt)
+        keep = torch.empty(T, d_inner + G * N, dtype=xbc_dt.dtype, device=DEV)
+
+        def conv(**kw):
+            tree_conv1d(xbc_dt, weight, bias, conv_state, parents, cu, slots, NODES, out=out, stash=(raw, keep), **kw)
+
+        nbytes = 2 * (2 * xbc_dt.numel() + out.numel() + keep.numel() + conv_state.numel())
+        us = timer(conv) if "conv" in kernels else None
+        if us is not None:
+            rep.add(shape, "tree_conv1d", nb, NODES, us, nbytes)
+        for bt, bd, warps in CONV_SWEEP if sweep and us is not None else ():
+            cfg = timer(lambda: conv(block_t=bt, block_d=bd, num_warps=warps))
+            rep.add(shape, f"conv t{bt} d{bd} w{warps}", nb, NODES, cfg, nbytes, x_default=round(cfg / us, 3))
+
+        # tree scan with the gate, bits built once per forward
+        A, D, dt_bias = layer(H, gen)
+        scan_args = dict(
+            x=randn(gen, T, H, P), dt=randn(gen, T, H), A=A, B=randn(gen, T, G, N), C=randn(gen, T, G, N), D=D,
+            dt_bias=dt_bias, ssm_state=randn(gen, nb, H, P, N, dtype=torch.float32), parents=parents, cu_seqlens=cu,
+            slot_idx=slots, max_nodes=NODES, dt_limit=LIMIT, z=randn(gen, T, H, P),
+        )
+        bits = ancestor_bits(parents, cu, NODES)
+        state = nb * H * P * N * 4
+        nbytes = state + T * (3 * d_inner + H + 2 * G * N) * 2
+        us = timer(lambda: tree_ssd_scan(**scan_args, ancestors=bits)) if "scan" in kernels else None
+        if us is not None:
+            rep.add(shape, "tree_ssd_scan", nb, NODES, us, nbytes)
+        for bp, bn, warps, regs in [c for c in SCAN_SWEEP if c[0] <= P] if sweep and us is not None else ():
+            cfg = timer(lambda: tree_ssd_scan(**scan_args, ancestors=bits, block_p=bp, block_n=bn, num_warps=warps,
+                                              maxnreg=regs))
+            rep.add(shape, f"scan p{bp} n{bn} w{warps} r{regs or '-'}", nb, NODES, cfg, nbytes,
+                    x_default=round(cfg / us, 3))
+
+        # one-token decode update at the same batch
+        dec = dict(ssm_state=randn(gen, nb, H, P, N, dtype=torch.float32), slot_idx=slots, x=randn(gen, nb, 1, H, P),
+                   dt=randn(gen, nb, 1, H), A=A, B=randn(gen, nb, 1, G, N), C=randn(gen, nb, 1, G, N), D=D,
+                   dt_bias=dt_bias, dt_limit=LIMIT, z=randn(gen, nb, 1, H, P))
+        if "decode" in kernels:
+            us = timer(lambda: ssm_chain_update(**dec))
+            rep.add(shape, "decode", nb, 1, us, 2 * state + nb * (3 * d_inner + H + 2 * G * N) * 2)
+        if "commit" not in kernels:
+            continue
+
+        # the commit of every Mamba2 layer in one launch, reading a verify's stash rows in place, as
+        # `models.verify.run_commit` calls it
+        plen = torch.randint(1, PATH + 1, (nb,), generator=gen, device=DEV, dtype=torch.int32)
+        pool = randn(gen, nb, layers, H, P, N, dtype=torch.float32)
+        A_all = -(torch.rand(layers, H, generator=gen, device=DEV) * 3 + 0.5)
+        bias_all = torch.randn(layers, H, generator=gen, device=DEV) * 0.5 - 2.0
+        xB = randn(gen, T, layers, d_inner + G * N)  # the stash: a 16-node tree per sequence
+        xbc_dt = randn(gen, T, layers, conv_dim + H)
+        x, Bp = xB[..., :d_inner].unflatten(-1, (H, P)), xB[..., d_inner:].unflatten(-1, (G, N))
+        xbc, dt = xbc_dt[..., :conv_dim], xbc_dt[..., conv_dim:]
+        rows = (torch.arange(nb, device=DEV)[:, None] * NODES + torch.arange(PATH, device=DEV)[None, :])
+        accepted = int(plen.sum())
+        nbytes = 2 * nb * layers * H * P * N * 4 + accepted * layers * (d_inner + H + G * N) * 2
+
+        def commit(**kw):
+            ssm_state_commit(pool, slots, x, dt, Bp, rows, plen, A_all, bias_all, LIMIT, **kw)
+
+        us = timer(commit, reps=max(10, timer.reps // 4))
+        rep.add(shape, "ssm_state_commit", nb, PATH, us / layers, nbytes / layers,
+                note=f"one launch over {layers} layers, per layer")
+        for bp, warps in [c for c in COMMIT_SWEEP if c[0] <= P] if sweep else ():
+            cfg = timer(lambda: commit(block_p=bp, num_warps=warps), reps=max(10, timer.reps // 4))
+            rep.add(shape, f"commit p{bp} w{warps}", nb, PATH, cfg / layers, nbytes / layers,
+                    x_default=round(cfg / us, 3))
+
+        cstate = randn(gen, nb, layers, conv_dim, W - 1)
+        nbytes = 2 * cstate.numel() * 2 + accepted * layers * conv_dim * 2
+        us = timer(lambda: conv_state_commit(cstate, slots, xbc, rows, plen))
+        rep.add(shape, "conv_state_commit", nb, PATH, us / layers, nbytes / layers,
+                note=f"one launch over {layers} layers, per layer")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--sweep", action="store_true", help="also time launch-configuration variants")
+    ap.add_argument("--kernels", default=",".join(KERNELS), help="which rows, of " + ",".join(KERNELS))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    timer = Timer(args.reps, args.warmup)
+    bw = copy_bandwidth(timer)
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {bw / 1e12:.3f} TB/s (read + write)\n")
+    rep = Report(bw)
+    t0 = time.time()
+    batches = [int(b) for b in args.batches.split(",")]
+    for shape in args.shapes.split(","):
+        bench_shape(shape, batches, timer, rep, args.sweep, args.seed, args.kernels.split(","))
+    rep.print()
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                  copy_bandwidth_bytes_per_s=bw, reps=args.reps, seconds=round(time.time() - t0, 1), rows=rep.rows)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -5,8 +5,8 @@ layer besides the projections, at 1, 16 and 64 sequences with 16-node trees.
 
 Rows, per shape (Mamba2-2.7B and the 8B hybrid's Mamba2 layers, DESIGN.md §9; the 8B layer has 8
 groups, which its conv width of 6144 implies):
-- `tree_conv1d`: the verify's tree conv as the model runs it, writing the commit stash (raw xBC | dt
-  and the conv's x | B) from the same programs;
+- `tree_conv1d`: the verify's tree conv as the model runs it, keeping the raw xBC | dt and
+  writing its output into the stash rows of its layer;
 - `tree_ssd_scan`: the verify's tree scan with its gate, ancestor bits passed in;
 - `ssm_state_commit` and `conv_state_commit`: a commit of paths of 1-4 accepted nodes of every
   Mamba2 layer in one launch, reading the stash rows in place as the model's commit does, reported
@@ -67,18 +67,18 @@ def bench_shape(shape: str, batches, timer: Timer, rep: Report, sweep: bool, see
         cu = torch.arange(0, T + 1, NODES, dtype=torch.int32, device=DEV)
         slots = torch.arange(nb, dtype=torch.int32, device=DEV)
 
-        # tree conv writing the stash, as a verify runs it: xbc | dt in, conv out, raw and x | B kept
+        # tree conv writing the stash, as a verify runs it: xbc | dt in, kept raw, and the output
+        # written into the stash rows of its layer
         xbc_dt = randn(gen, T, conv_dim + H)
         weight, bias = randn(gen, conv_dim, W), randn(gen, conv_dim)
         conv_state = randn(gen, nb, conv_dim, W - 1)
-        out = torch.empty(T, conv_dim, dtype=xbc_dt.dtype, device=DEV)
-        raw = torch.empty_like(xbc_dt)
-        keep = torch.empty(T, d_inner + G * N, dtype=xbc_dt.dtype, device=DEV)
+        out = torch.empty(T, 2, conv_dim, dtype=xbc_dt.dtype, device=DEV)[:, 1]
+        raw = torch.empty(T, 2, conv_dim + H, dtype=xbc_dt.dtype, device=DEV)[:, 1]
 
         def conv(**kw):
-            tree_conv1d(xbc_dt, weight, bias, conv_state, parents, cu, slots, NODES, out=out, stash=(raw, keep), **kw)
+            tree_conv1d(xbc_dt, weight, bias, conv_state, parents, cu, slots, NODES, out=out, stash=raw, **kw)
 
-        nbytes = 2 * (2 * xbc_dt.numel() + out.numel() + keep.numel() + conv_state.numel())
+        nbytes = 2 * (2 * xbc_dt.numel() + out.numel() + conv_state.numel())
         us = timer(conv) if "conv" in kernels else None
         if us is not None:
             rep.add(shape, "tree_conv1d", nb, NODES, us, nbytes)
@@ -121,9 +121,9 @@ def bench_shape(shape: str, batches, timer: Timer, rep: Report, sweep: bool, see
         pool = randn(gen, nb, layers, H, P, N, dtype=torch.float32)
         A_all = -(torch.rand(layers, H, generator=gen, device=DEV) * 3 + 0.5)
         bias_all = torch.randn(layers, H, generator=gen, device=DEV) * 0.5 - 2.0
-        xB = randn(gen, T, layers, d_inner + G * N)  # the stash: a 16-node tree per sequence
+        xBC = randn(gen, T, layers, conv_dim)  # the stash: a 16-node tree per sequence
         xbc_dt = randn(gen, T, layers, conv_dim + H)
-        x, Bp = xB[..., :d_inner].unflatten(-1, (H, P)), xB[..., d_inner:].unflatten(-1, (G, N))
+        x, Bp = xBC[..., :d_inner].unflatten(-1, (H, P)), xBC[..., d_inner : d_inner + G * N].unflatten(-1, (G, N))
         xbc, dt = xbc_dt[..., :conv_dim], xbc_dt[..., conv_dim:]
         rows = (torch.arange(nb, device=DEV)[:, None] * NODES + torch.arange(PATH, device=DEV)[None, :])
         accepted = int(plen.sum())

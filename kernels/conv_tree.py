@@ -37,18 +37,18 @@ def tree_conv1d_ref(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx
 
     xbc (T, D), weight (D, W), bias (D,) or None, conv_state (S, D, W-1), parents (T,) int32 local,
     cu_seqlens (B+1,) int32, slot_idx (B,) int32 -> (T, D) in xbc's dtype (fp32 accumulation).
-    `out (T, D)` receives the result when given.
+    `out (T, D)` (channels contiguous, rows may be strided) receives the result when given.
 
-    `stash = (raw (T, D + E), conv (T, F))`, F <= D, keeps what a commit needs as a side output:
-    raw <- xbc and conv <- the result's first F columns. xbc may then carry E more columns after
-    its D conv channels (a verify's dt), which are copied to raw and not convolved.
+    `stash (T, D + E)` keeps the raw input as a side output (what a commit of the conv state
+    needs): stash <- xbc. xbc may then carry E more columns after its D conv channels (a verify's
+    dt), which are copied and not convolved. A verify also points `out` into its stash, so the
+    result is written once and serves both the scan and the commit.
     """
     if stash is not None:
         _check_stash(xbc, weight, stash)
         y = tree_conv1d_ref(xbc[:, : weight.shape[0]], weight, bias, conv_state, parents, cu_seqlens, slot_idx,
                             max_nodes, out=out)
-        stash[0].copy_(xbc)
-        stash[1].copy_(y[:, : stash[1].shape[1]])
+        stash.copy_(xbc)
         return y
     T, D = xbc.shape
     W = weight.shape[1]
@@ -75,13 +75,12 @@ def tree_conv1d_ref(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx
 
 
 def _check_stash(xbc, weight, stash) -> None:
-    raw, conv = stash
-    T, D = xbc.shape[0], weight.shape[0]
-    if xbc.shape[1] < D or raw.shape != xbc.shape or conv.dim() != 2 or conv.shape[0] != T or conv.shape[1] > D:
-        raise ValueError(f"stash {tuple(raw.shape)}, {tuple(conv.shape)} does not fit input {tuple(xbc.shape)} "
-                         f"of a {D}-channel conv")
-    if raw.stride(1) != 1 or conv.stride(1) != 1:
-        raise ValueError("the stash's last axes must be contiguous")
+    D = weight.shape[0]
+    if not isinstance(stash, torch.Tensor) or xbc.shape[1] < D or stash.shape != xbc.shape:
+        shape = tuple(stash.shape) if isinstance(stash, torch.Tensor) else type(stash).__name__
+        raise ValueError(f"stash {shape} does not fit input {tuple(xbc.shape)} of a {D}-channel conv")
+    if stash.stride(1) != 1:
+        raise ValueError("the stash's last axis must be contiguous")
 
 
 def conv_state_commit_ref(conv_state, slot_idx, xbc, rows, path_len):
@@ -127,14 +126,14 @@ def conv1d_prefill_ref(xbc, weight, bias, conv_state=None):
 
 @triton.jit
 def _tree_conv1d_kernel(
-    x_ptr, w_ptr, bias_ptr, state_ptr, parents_ptr, cu_ptr, slot_ptr, out_ptr, raw_ptr, keep_ptr,
-    D, DX, F,
-    stride_xt, stride_wd, stride_ss, stride_sd, stride_ot, stride_rt, stride_kt,
+    x_ptr, w_ptr, bias_ptr, state_ptr, parents_ptr, cu_ptr, slot_ptr, out_ptr, raw_ptr,
+    D, DX,
+    stride_xt, stride_wd, stride_ss, stride_sd, stride_ot, stride_rt,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, STASH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Programs (node tile, tree, channel block). With STASH, the channel blocks span all DX input
-    columns: the node's own row (tap 0) goes to raw, the first F outputs to keep."""
+    columns and the node's own row (tap 0) goes to raw."""
     release_next(PDL)
     wait_for_previous(PDL)  # every input below may come from the kernel before
     tile = tl.program_id(0)
@@ -149,6 +148,20 @@ def _tree_conv1d_kernel(
     d = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < D
     rows = (start + local).to(tl.int64)
+
+    # The committed state's W-1 columns, each read once as a channel vector; a node whose window
+    # reaches past the root picks its column per tap by select. (Per-element gathers of the
+    # column-strided state cost a load per element and tap, even for the nodes that need none.)
+    st = state_ptr + slot * stride_ss + d * stride_sd
+    col0 = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    col1 = col0
+    col2 = col0
+    if W > 1:
+        col0 = tl.load(st, mask=d_ok, other=0.0).to(tl.float32)
+    if W > 2:
+        col1 = tl.load(st + 1, mask=d_ok, other=0.0).to(tl.float32)
+    if W > 3:
+        col2 = tl.load(st + 2, mask=d_ok, other=0.0).to(tl.float32)
 
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     cur = tl.where(row_ok, local, -1)  # walk position: local node, -1 once past the root
@@ -167,12 +180,10 @@ def _tree_conv1d_kernel(
                      mask=row_ok[:, None] & cols_ok[None, :])
         if s > 0:  # the node itself is always on its path
             col = W - 1 - beyond  # state column, oldest first; in [0, W-2] whenever it is read
-            from_state = row_ok & (cur < 0)
-            val += tl.load(
-                state_ptr + slot * stride_ss + d[None, :] * stride_sd + tl.maximum(col, 0)[:, None],
-                mask=from_state[:, None] & d_ok[None, :],
-                other=0.0,
-            ).to(tl.float32)
+            from_state = (row_ok & (cur < 0))[:, None]
+            state_val = tl.where((col == 0)[:, None], col0[None, :],
+                                 tl.where((col == 1)[:, None], col1[None, :], col2[None, :]))
+            val = tl.where(from_state, state_val, val)
         w = tl.load(w_ptr + d * stride_wd + (W - 1 - s), mask=d_ok, other=0.0).to(tl.float32)
         acc += val * w[None, :]
         if s < W - 1:
@@ -183,9 +194,6 @@ def _tree_conv1d_kernel(
     y = acc / (1.0 + tl.exp(-acc))
     tl.store(out_ptr + rows[:, None] * stride_ot + d[None, :], y.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
-    if STASH:
-        tl.store(keep_ptr + rows[:, None] * stride_kt + d[None, :], y.to(keep_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (d < F)[None, :])
 
 
 def _conv_blocks(D: int, rows: int = 16) -> int:
@@ -226,13 +234,12 @@ def tree_conv1d(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, ma
         return out
     BLOCK_T = block_t or min(16, triton.next_power_of_2(max(int(max_nodes), 1)))
     BLOCK_D = block_d or _conv_blocks(D, BLOCK_T)
-    raw, keep = stash if stash is not None else (out, out)
+    raw = stash if stash is not None else out
     grid = (triton.cdiv(int(max_nodes), BLOCK_T), B, triton.cdiv(DX, BLOCK_D))
     _tree_conv1d_kernel[grid](
-        xbc, weight, bias if bias is not None else weight, conv_state, parents, cu_seqlens, slot_idx, out, raw, keep,
-        D, DX, keep.shape[1],
-        xbc.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0),
-        raw.stride(0), keep.stride(0),
+        xbc, weight, bias if bias is not None else weight, conv_state, parents, cu_seqlens, slot_idx, out, raw,
+        D, DX,
+        xbc.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0), raw.stride(0),
         W=W, HAS_BIAS=bias is not None, STASH=stash is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
         **pdl.launch_options(xbc.device), num_warps=num_warps or 4,
     )

@@ -20,11 +20,11 @@ from models.state import StatePool
 class VerifyStash:
     """Per-node commit inputs of one verify call: `T` packed rows.
 
-    xbc_dt (T, n_mamba, conv_dim + H): a layer's raw conv inputs | raw dt; xB (T, n_mamba,
-    d_inner + G*N): its x | B; k, v (T, n_attn, Hkv, Dh). All in the model dtype. Each pair sits side
-    by side as in a layer's in_proj output (z | xBC | dt) and conv output (x | B | C), so the layer's
-    tree conv writes both while it reads the one and computes the other, with no copy launch of its
-    own; the commit splits the columns.
+    xbc_dt (T, n_mamba, conv_dim + H): a layer's raw conv inputs | raw dt, side by side as in its
+    in_proj output (z | xBC | dt); xBC (T, n_mamba, conv_dim): its conv output x | B | C; k, v (T,
+    n_attn, Hkv, Dh). All in the model dtype. The layer's tree conv writes both Mamba2 parts while it
+    reads the one and computes the other: its output goes straight into xBC, where the layer's scan
+    reads it, so nothing is written twice and no copy launch runs. The commit splits the columns.
     """
 
     def __init__(self, pool: StatePool, T: int, dtype: torch.dtype):
@@ -34,7 +34,7 @@ class VerifyStash:
         if pool.n_mamba:
             Lm = pool.n_mamba
             self.xbc_dt = torch.empty(T, Lm, m.conv_dim + m.n_heads, dtype=dtype, device=dev)
-            self.xB = torch.empty(T, Lm, m.d_inner + m.n_groups * m.d_state, dtype=dtype, device=dev)
+            self.xBC = torch.empty(T, Lm, m.conv_dim, dtype=dtype, device=dev)
         if pool.n_attn:
             self.k = torch.empty(T, pool.n_attn, a.n_kv_heads, a.head_dim, dtype=dtype, device=dev)
             self.v = torch.empty_like(self.k)
@@ -50,8 +50,8 @@ class VerifyStash:
 
     def mamba_rows(self, layer: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Where Mamba2 block number `layer` keeps its first `T` rows: views (xbc_dt (T, conv_dim + H),
-        xB (T, d_inner + G*N)), which the layer's tree conv writes as a side output."""
-        return self.xbc_dt[:T, layer], self.xB[:T, layer]
+        xBC (T, conv_dim)), the tree conv's stash and its output."""
+        return self.xbc_dt[:T, layer], self.xBC[:T, layer]
 
     def put_attention(self, layer: int, k, v) -> None:
         """k, v (T, Hkv, Dh) of attention block number `layer`."""
@@ -60,7 +60,7 @@ class VerifyStash:
         self.v[:T, layer].copy_(v)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {n: getattr(self, n) for n in ("xbc_dt", "xB", "k", "v") if n in self.__dict__}
+        return {n: getattr(self, n) for n in ("xbc_dt", "xBC", "k", "v") if n in self.__dict__}
 
     def attach(self, pendings) -> None:
         """Told which handles refer to it (graph stashes track them; a private stash needs not)."""
@@ -164,8 +164,8 @@ def run_commit(pool: StatePool, stash: VerifyStash, meta: torch.Tensor, batch: i
     mamba_rows, attn_idx = split[4].view(batch, steps), split[5]
     if pool.n_mamba:
         m = pool.mamba
-        x = stash.xB[..., : m.d_inner].unflatten(-1, (m.n_heads, m.head_dim))  # (T, n_mamba, H, P), a view
-        Bp = stash.xB[..., m.d_inner :].unflatten(-1, (m.n_groups, m.d_state))
+        x = stash.xBC[..., : m.d_inner].unflatten(-1, (m.n_heads, m.head_dim))  # (T, n_mamba, H, P), a view
+        Bp = stash.xBC[..., m.d_inner : m.d_inner + m.n_groups * m.d_state].unflatten(-1, (m.n_groups, m.d_state))
         xbc, dt = stash.xbc_dt[..., : m.conv_dim], stash.xbc_dt[..., m.conv_dim :]
         ops.ssm_state_commit(pool.ssm, slot_idx, x, dt, Bp, mamba_rows, path_len, A_all, dt_bias_all, dt_limit)
         ops.conv_state_commit(pool.conv, slot_idx, xbc, mamba_rows, path_len)

@@ -116,12 +116,12 @@ class MambaMixer(nn.Module):
         """h (T, d_model) packed tree nodes -> (T, d_model); state untouched, commit data stashed."""
         s = self.spec
         zxbcdt, z, _, dt = self._project(h)
-        # the conv also keeps what a commit needs: xBC | dt as they came (adjacent in_proj columns)
-        # and its own x | B
-        conv_out = ops.tree_conv1d(
+        # the conv also keeps what a commit needs: xBC | dt as they came (adjacent in_proj columns),
+        # and writes its output into the stash, where the scan below and a later commit read it
+        raw, conv_out = stash.mamba_rows(self.layer, h.shape[0])
+        ops.tree_conv1d(
             zxbcdt[:, s.d_inner:], self.conv_weight, self.conv_bias, pool.conv_layer(self.layer),
-            batch.parents, batch.cu_seqlens, batch.slot_idx, batch.max_nodes,
-            stash=stash.mamba_rows(self.layer, h.shape[0]),
+            batch.parents, batch.cu_seqlens, batch.slot_idx, batch.max_nodes, out=conv_out, stash=raw,
         )
         x, B, C = self._split_conv(conv_out)
         y = ops.tree_ssd_scan(

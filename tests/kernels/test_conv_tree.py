@@ -70,20 +70,21 @@ def test_tree_conv1d_each_kind_alone(kind):
 
 @pytest.mark.parametrize("fn", ["tree_conv1d", "tree_conv1d_ref"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("W,D,E,F_", [(4, 300, 7, 200), (3, 37, 0, 37), (2, 19, 16, 1)])
-def test_tree_conv1d_stash(fn, dtype, W, D, E, F_):
+@pytest.mark.parametrize("W,D,E", [(4, 300, 7), (3, 37, 0), (2, 19, 16)])
+def test_tree_conv1d_stash(fn, dtype, W, D, E):
     """The stash a verify keeps: raw <- the input (D conv channels and E carried columns), bit for bit;
-    keep <- the output's first F columns, bit for bit; the output itself as without a stash."""
+    the output, written into rows of a wider buffer as a verify does, the same as without a stash."""
     parents, cu, max_nodes, _, slots, xbc, weight, bias, state = _batch(MIXED + [(20, "chain")], D + E, W, dtype, 5)
     weight, bias, state = weight[:D], bias[:D], state[:, :D]
     conv = getattr(ct, fn)
     raw = torch.full_like(xbc, float("nan"))
-    keep = torch.full((xbc.shape[0], F_), float("nan"), dtype=dtype)
-    got = conv(xbc, weight, bias, state, parents, cu, slots, max_nodes, stash=(raw, keep))
+    wide = torch.full((xbc.shape[0], D + 9), float("nan"), dtype=dtype)
+    got = conv(xbc, weight, bias, state, parents, cu, slots, max_nodes, out=wide[:, 3 : 3 + D], stash=raw)
     plain = conv(xbc[:, :D].contiguous(), weight, bias, state, parents, cu, slots, max_nodes)
+    assert got.data_ptr() == wide[:, 3:].data_ptr()
     assert torch.equal(got, plain)
     assert torch.equal(raw, xbc)
-    assert torch.equal(keep, got[:, :F_])
+    assert wide[:, :3].isnan().all() and wide[:, 3 + D :].isnan().all()
 
 
 def test_tree_conv1d_stash_errors():
@@ -91,9 +92,11 @@ def test_tree_conv1d_stash_errors():
     T = xbc.shape[0]
     for fn in (ct.tree_conv1d, ct.tree_conv1d_ref):
         with pytest.raises(ValueError, match="stash"):
-            fn(xbc, weight, bias, state, parents, cu, slots, max_nodes, stash=(torch.empty(T, 39), torch.empty(T, 8)))
+            fn(xbc, weight, bias, state, parents, cu, slots, max_nodes, stash=torch.empty(T, 39))
         with pytest.raises(ValueError, match="stash"):
-            fn(xbc, weight, bias, state, parents, cu, slots, max_nodes, stash=(torch.empty_like(xbc), torch.empty(T, 41)))
+            fn(xbc, weight, bias, state, parents, cu, slots, max_nodes, stash=(torch.empty_like(xbc), torch.empty(T, 4)))
+        with pytest.raises(ValueError, match="contiguous"):
+            fn(xbc, weight, bias, state, parents, cu, slots, max_nodes, stash=torch.empty(40, T).t())
     with pytest.raises(ValueError, match="columns"):
         ct.tree_conv1d(xbc, weight[:39], bias[:39], state[:, :39], parents, cu, slots, max_nodes)
 
@@ -223,8 +226,9 @@ def test_compiles_for_sm90():
         parents, cu, max_nodes, lists, slots, xbc, weight, bias, state = _batch(trees, 300, 4, torch.bfloat16, 6)
         with record_launches(ct._tree_conv1d_kernel) as a:
             ct.tree_conv1d(xbc, weight, bias, state, parents, cu, slots, max_nodes)
-            stash = (torch.empty_like(xbc), torch.empty(xbc.shape[0], 200, dtype=xbc.dtype))  # as a verify calls it
-            ct.tree_conv1d(xbc, weight[:280], bias[:280], state[:, :280], parents, cu, slots, max_nodes, stash=stash)
+            out = torch.empty(xbc.shape[0], 290, dtype=xbc.dtype)[:, :280]  # as a verify calls it
+            ct.tree_conv1d(xbc, weight[:280], bias[:280], state[:, :280], parents, cu, slots, max_nodes, out=out,
+                           stash=torch.empty_like(xbc))
         specs += [launch_spec(ct._tree_conv1d_kernel, *call) for call in a]
     with record_launches(ct._conv_commit_kernel) as b, record_launches(ct._conv_prefill_kernel) as c:
         ct.conv_state_commit(state, slots, xbc, torch.zeros(len(lists), 3, dtype=torch.int64),

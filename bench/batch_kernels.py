@@ -27,7 +27,7 @@ import time
 import torch
 import triton
 
-from bench.ssm_kernels import Report, Timer, copy_bandwidth, layer, randn
+from bench.ssm_kernels import Report, Timer, layer, randn, start
 from kernels.conv_tree import conv_state_commit, tree_conv1d
 from kernels.ssd_tree import tree_ssd_scan
 from kernels.ssm_commit import ssm_state_commit
@@ -158,19 +158,14 @@ def main(argv=None) -> None:
     ap.add_argument("--kernels", default=",".join(KERNELS), help="which rows, of " + ",".join(KERNELS))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA device")
-    timer = Timer(args.reps, args.warmup)
-    bw = copy_bandwidth(timer)
-    print(f"{torch.cuda.get_device_name()}: device-to-device copy {bw / 1e12:.3f} TB/s (read + write)\n")
-    rep = Report(bw)
+    timer, rep = start(args.reps, args.warmup)
     t0 = time.time()
     batches = [int(b) for b in args.batches.split(",")]
     for shape in args.shapes.split(","):
         bench_shape(shape, batches, timer, rep, args.sweep, args.seed, args.kernels.split(","))
     rep.print()
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                  copy_bandwidth_bytes_per_s=bw, reps=args.reps, seconds=round(time.time() - t0, 1), rows=rep.rows)
+                  copy_bandwidth_bytes_per_s=rep.bandwidth, reps=args.reps, seconds=round(time.time() - t0, 1), rows=rep.rows)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")

@@ -87,6 +87,16 @@ def copy_bandwidth(timer: Timer) -> float:
     return 2 * n / (us * 1e-6)
 
 
+def start(reps: int, warmup: int) -> tuple[Timer, "Report"]:
+    """The timer of a run and its report, against the copy bandwidth measured now (printed)."""
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    timer = Timer(reps, warmup)
+    bw = copy_bandwidth(timer)
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {bw / 1e12:.3f} TB/s (read + write)\n")
+    return timer, Report(bw)
+
+
 def layer(H: int, gen: torch.Generator):
     A = -(torch.rand(H, generator=gen, device=DEV) * 3 + 0.5)
     D = torch.randn(H, generator=gen, device=DEV)
@@ -286,13 +296,8 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA device")
-
-    timer = Timer(args.reps, args.warmup)
-    bw = copy_bandwidth(timer)
-    print(f"{torch.cuda.get_device_name()}: device-to-device copy {bw / 1e12:.3f} TB/s (read + write)\n")
-    rep = Report(bw)
+    timer, rep = start(args.reps, args.warmup)
+    bw = rep.bandwidth
     summary = {}
     t0 = time.time()
     for shape in args.shapes.split(","):

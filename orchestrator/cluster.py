@@ -13,13 +13,17 @@ def init_ray(address: Optional[str], namespace: str, quiet: bool = False) -> Non
 
     if ray.is_initialized():
         return
+    from treeserve import grpc_env
+
     extra = dict(log_to_driver=not quiet, logging_level=logging.WARNING if quiet else logging.INFO)
-    if address is None:
-        ray.init(address="local", include_dashboard=False, num_cpus=1, _node_ip_address="127.0.0.1",
-                 namespace=namespace, object_store_memory=96 * 1024 * 1024, **extra)
-    else:
+    if address is not None:
         _wait_for_head(address)
-        ray.init(address=address, namespace=namespace, **extra)
+    with grpc_env.hidden_from_ray():  # Ray's own gRPC core would log our setting's names as unknown
+        if address is None:
+            ray.init(address="local", include_dashboard=False, num_cpus=1, _node_ip_address="127.0.0.1",
+                     namespace=namespace, object_store_memory=96 * 1024 * 1024, **extra)
+        else:
+            ray.init(address=address, namespace=namespace, **extra)
 
 
 def _wait_for_head(address: str, timeout: float = 180.0) -> None:

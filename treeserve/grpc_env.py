@@ -17,12 +17,18 @@ It is gRPC's own switch (`GRPC_EXPERIMENTS`, turning four EventEngine experiment
 only to the grpcio releases where Python uses the EventEngine and these experiments exist (1.80
 to 1.84; the project pins 1.84). A `GRPC_EXPERIMENTS` already in the environment, even an empty
 one, is left as it is: set it to "" to run on gRPC's defaults.
+
+Ray links a gRPC core of its own, an older one that does not know two of these names and logs an
+error line for each when it starts. `hidden_from_ray()` keeps the setting from it: Ray's processes
+start without it, and a Ray worker that imports treeserve sets it again for its own grpcio (Ray's
+workers do not load grpcio themselves).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from importlib import metadata
-from typing import MutableMapping
+from typing import Iterator, MutableMapping
 
 EXPERIMENTS = "GRPC_EXPERIMENTS"
 POLLER_NOT_EVENT_ENGINE = ",".join(
@@ -58,3 +64,17 @@ def set_defaults(environ: MutableMapping[str, str] = os.environ, version: str | 
         return
     if applies_to(version if version is not None else grpcio_version()):
         environ[EXPERIMENTS] = POLLER_NOT_EVENT_ENGINE
+
+
+@contextlib.contextmanager
+def hidden_from_ray(environ: MutableMapping[str, str] = os.environ) -> Iterator[None]:
+    """Within: treeserve's own setting is out of `environ`, so that processes started meanwhile
+    (Ray's, with their own gRPC core) start without it; a user's own GRPC_EXPERIMENTS stays."""
+    ours = environ.get(EXPERIMENTS) == POLLER_NOT_EVENT_ENGINE
+    if ours:
+        del environ[EXPERIMENTS]
+    try:
+        yield
+    finally:
+        if ours:
+            environ[EXPERIMENTS] = POLLER_NOT_EVENT_ENGINE

@@ -75,3 +75,35 @@ def test_grpc_knows_every_name_and_serves_with_it():
     done = _child(code)
     assert done.stdout.strip().splitlines()[-1] == "True"
     assert "Unknown experiment" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("own", [None, "", "some_other_experiment"])
+def test_hidden_from_ray_takes_out_only_our_setting(own):
+    env = {} if own is None else {grpc_env.EXPERIMENTS: own}
+    grpc_env.set_defaults(env, version="1.84.0")
+    before = dict(env)
+    with grpc_env.hidden_from_ray(env):
+        assert env == ({} if own is None else before)
+    assert env == before
+
+
+@known_release
+def test_ray_starts_without_unknown_experiment_errors():
+    """A real local Ray cluster started by the orchestrator from a process with treeserve's setting:
+    Ray's gRPC core logs no unknown experiment, the setting is back afterwards, and a Ray worker
+    that imports treeserve runs its grpcio with it."""
+    code = (
+        "import os, treeserve, ray\n"
+        "from orchestrator.cluster import init_ray\n"
+        "init_ray(None, 'grpc-env-test', quiet=True)\n"
+        "@ray.remote\n"
+        "def worker():\n"
+        "    import os, treeserve, grpc\n"
+        "    return os.environ.get('GRPC_EXPERIMENTS')\n"
+        "print(repr(os.environ.get('GRPC_EXPERIMENTS')), repr(ray.get(worker.remote())))\n"
+        "ray.shutdown()\n"
+    )
+    done = _child(code, RAY_AUTH_MODE="disabled")
+    assert "Unknown experiment" not in done.stderr + done.stdout
+    ours = repr(grpc_env.POLLER_NOT_EVENT_ENGINE)
+    assert done.stdout.strip().splitlines()[-1] == f"{ours} {ours}"

@@ -106,10 +106,10 @@ def bench_shape(shape: str, batches, timer: Timer, rep: Report, sweep: bool, see
                     x_default=round(cfg / us, 3))
 
         # one-token decode update at the same batch
-        dec = dict(ssm_state=randn(gen, nb, H, P, N, dtype=torch.float32), slot_idx=slots, x=randn(gen, nb, 1, H, P),
-                   dt=randn(gen, nb, 1, H), A=A, B=randn(gen, nb, 1, G, N), C=randn(gen, nb, 1, G, N), D=D,
-                   dt_bias=dt_bias, dt_limit=LIMIT, z=randn(gen, nb, 1, H, P))
         if "decode" in kernels:
+            dec = dict(ssm_state=randn(gen, nb, H, P, N, dtype=torch.float32), slot_idx=slots,
+                       x=randn(gen, nb, 1, H, P), dt=randn(gen, nb, 1, H), A=A, B=randn(gen, nb, 1, G, N),
+                       C=randn(gen, nb, 1, G, N), D=D, dt_bias=dt_bias, dt_limit=LIMIT, z=randn(gen, nb, 1, H, P))
             us = timer(lambda: ssm_chain_update(**dec))
             rep.add(shape, "decode", nb, 1, us, 2 * state + nb * (3 * d_inner + H + 2 * G * N) * 2)
         if "commit" not in kernels:
@@ -165,7 +165,8 @@ def main(argv=None) -> None:
         bench_shape(shape, batches, timer, rep, args.sweep, args.seed, args.kernels.split(","))
     rep.print()
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                  copy_bandwidth_bytes_per_s=rep.bandwidth, reps=args.reps, seconds=round(time.time() - t0, 1), rows=rep.rows)
+                  copy_bandwidth_bytes_per_s=rep.bandwidth, reps=args.reps, seconds=round(time.time() - t0, 1),
+                  rows=rep.rows)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")

@@ -83,6 +83,11 @@ def _check_stash(xbc, weight, stash) -> None:
         raise ValueError("the stash's last axis must be contiguous")
 
 
+def _layered(conv_state, xbc):
+    """Single-layer commit arguments (state (S, D, W-1)) with a layer axis of 1 added; layered ones as they are."""
+    return (conv_state, xbc) if conv_state.dim() == 4 else (conv_state.unsqueeze(1), xbc.unsqueeze(1))
+
+
 def conv_state_commit_ref(conv_state, slot_idx, xbc, rows, path_len):
     """In place: conv_state[slot_idx[b]] = last W-1 columns of [conv_state[slot] | xbc[rows[b, :path_len[b]]]^T].
 
@@ -90,7 +95,7 @@ def conv_state_commit_ref(conv_state, slot_idx, xbc, rows, path_len):
     xbc (R, L, D). rows (nb, K) int: the row of xbc that is step k of sequence b's accepted path,
     every entry a valid row; path_len (nb,) int32 with 1 <= path_len <= K, or 0 to commit nothing.
     """
-    state, xbc = (conv_state, xbc) if conv_state.dim() == 4 else (conv_state.unsqueeze(1), xbc.unsqueeze(1))
+    state, xbc = _layered(conv_state, xbc)
     nb, K = rows.shape
     S, L, D, Wm1 = state.shape
     if Wm1 == 0 or nb == 0:
@@ -284,7 +289,7 @@ def _conv_commit_kernel(
 
 def conv_state_commit(conv_state, slot_idx, xbc, rows, path_len):
     """Triton twin of `conv_state_commit_ref` (in place; slots in `slot_idx` must be distinct)."""
-    state, xbc = (conv_state, xbc) if conv_state.dim() == 4 else (conv_state.unsqueeze(1), xbc.unsqueeze(1))
+    state, xbc = _layered(conv_state, xbc)
     nb, K = rows.shape
     S, L, D, WM1 = state.shape
     if WM1 == 0 or nb == 0:

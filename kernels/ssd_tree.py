@@ -286,7 +286,8 @@ def tree_ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, sl
     `ancestors` (T, W) int32 is `tree_struct.ancestor_bits(parents, cu_seqlens, max_nodes)`, built once
     per forward and shared by every layer; when None it is built here (one extra launch).
     Keyword-only tuning knobs (benchmarks): `block_p` headdim columns per program (power of two >= 16),
-    `block_n` d_state columns per load round (power of two >= 32), `num_warps`, `maxnreg` register cap per thread (None or 0: none); None picks the defaults below.
+    `block_n` d_state columns per load round (power of two >= 32), `num_warps`, `maxnreg` register
+    cap per thread (None or 0: none); None picks the defaults below.
     """
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]

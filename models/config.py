@@ -42,6 +42,13 @@ class MambaSpec:
         """Rows of the input projection, in order z | xBC | dt."""
         return self.d_inner + self.conv_dim + self.n_heads
 
+    def split_conv(self, xbc):
+        """Conv output (..., conv_dim) -> views x (..., H, P), B (..., G, N), C (..., G, N)."""
+        gn = self.n_groups * self.d_state
+        x, B, C = xbc.split([self.d_inner, gn, gn], dim=-1)
+        groups = (self.n_groups, self.d_state)
+        return x.unflatten(-1, (self.n_heads, self.head_dim)), B.unflatten(-1, groups), C.unflatten(-1, groups)
+
 
 @dataclass(frozen=True)
 class AttentionSpec:

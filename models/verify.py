@@ -164,8 +164,7 @@ def run_commit(pool: StatePool, stash: VerifyStash, meta: torch.Tensor, batch: i
     mamba_rows, attn_idx = split[4].view(batch, steps), split[5]
     if pool.n_mamba:
         m = pool.mamba
-        x = stash.xBC[..., : m.d_inner].unflatten(-1, (m.n_heads, m.head_dim))  # (T, n_mamba, H, P), a view
-        Bp = stash.xBC[..., m.d_inner : m.d_inner + m.n_groups * m.d_state].unflatten(-1, (m.n_groups, m.d_state))
+        x, Bp, _ = m.split_conv(stash.xBC)  # views (T, n_mamba, H, P) and (T, n_mamba, G, N)
         xbc, dt = stash.xbc_dt[..., : m.conv_dim], stash.xbc_dt[..., m.conv_dim :]
         ops.ssm_state_commit(pool.ssm, slot_idx, x, dt, Bp, mamba_rows, path_len, A_all, dt_bias_all, dt_limit)
         ops.conv_state_commit(pool.conv, slot_idx, xbc, mamba_rows, path_len)

@@ -55,13 +55,6 @@ class MambaMixer(nn.Module):
         zxbcdt = self.in_proj(h)
         return (zxbcdt, *zxbcdt.split([s.d_inner, s.conv_dim, s.n_heads], dim=-1))
 
-    def _split_conv(self, xbc: torch.Tensor):
-        s = self.spec
-        gn = s.n_groups * s.d_state
-        x, B, C = xbc.split([s.d_inner, gn, gn], dim=-1)
-        T = xbc.shape[0]
-        return x.reshape(T, s.n_heads, s.head_dim), B.reshape(T, s.n_groups, s.d_state), C.reshape(T, s.n_groups, s.d_state)
-
     def _finish(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         s = self.spec
         T = y.shape[0]
@@ -87,7 +80,7 @@ class MambaMixer(nn.Module):
                 xbc[rows], self.conv_weight, self.conv_bias, conv[slot] if L > 0 else None
             )
             conv[slot] = conv_state
-            x, B, C = self._split_conv(conv_out)
+            x, B, C = s.split_conv(conv_out)
             y, final = ops.ssd_prefill(
                 x, dt[rows], self.A, B, C, self.D, self.dt_bias, s.dt_limit,
                 initial_state=ssm[slot] if L > 0 else None,
@@ -123,7 +116,7 @@ class MambaMixer(nn.Module):
             zxbcdt[:, s.d_inner:], self.conv_weight, self.conv_bias, pool.conv_layer(self.layer),
             batch.parents, batch.cu_seqlens, batch.slot_idx, batch.max_nodes, out=conv_out, stash=raw,
         )
-        x, B, C = self._split_conv(conv_out)
+        x, B, C = s.split_conv(conv_out)
         y = ops.tree_ssd_scan(
             x, dt, self.A, B, C, self.D, self.dt_bias, pool.ssm_layer(self.layer),
             batch.parents, batch.cu_seqlens, batch.slot_idx, batch.max_nodes, s.dt_limit,

@@ -19,7 +19,9 @@ differences against.
 
 Ops (`OPS`): the Mamba2 mixer's in_proj, tree conv, tree scan, gated norm and out_proj, the fused
 decode step (conv + state update + gated norm), the residual add + RMSNorm at block boundaries,
-whole attention mixers, whole MLP / MoE mixers, and the LM head.
+whole attention mixers and, within them, the qkv projection, RoPE, the K/V write into the cache
+(and a verify's stash), the tree attention kernel (decode runs it too, as a one-node tree) and
+o_proj; whole MLP / MoE mixers; and the LM head.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from models.layers.mamba import MambaMixer
 from models.layers.mlp import MLP, MoE
 
 OPS = ("in_proj", "tree_conv", "tree_scan", "gated_norm", "out_proj", "decode_step", "add_norm", "attention",
-       "mlp", "lm_head")
+       "qkv_proj", "rope", "write_kv", "tree_attention", "o_proj", "mlp", "lm_head")
 
 
 def _blank(shape, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -118,6 +120,19 @@ def knocked_out(lm, op: str) -> Iterator[list[int]]:
                 if isinstance(m, Attention):
                     for mode in ("decode", "verify"):
                         swap(_swapped(m, mode, _counted(lambda h, *a: _blank((h.shape[0], d_model), h), calls)))
+        elif op in ("qkv_proj", "o_proj"):
+            for m in mixers:
+                if isinstance(m, Attention):
+                    proj = getattr(m, op)
+                    width = proj.out_features
+                    swap(_swapped(proj, "forward", _counted(lambda x, w=width: _blank((x.shape[0], w), x), calls)))
+        elif op == "rope":
+            swap(_swapped(kernel_ops, "rope_qk", _counted(lambda q, k, *a, **kw: (_blank(q.shape, q), _blank(k.shape, k)),
+                                                          calls)))
+        elif op == "write_kv":
+            swap(_swapped(kernel_ops, "write_tree_kv", _counted(lambda *a, **k: None, calls)))
+        elif op == "tree_attention":
+            swap(_swapped(kernel_ops, "tree_attention", _counted(lambda q, *a, **k: _blank(q.shape, q), calls)))
         elif op == "mlp":
             for m in mixers:
                 if isinstance(m, (MLP, MoE)):

@@ -24,18 +24,31 @@ from kernels.tree_index import ancestor_mask, packed_rows, tree_sizes
 # --------------------------------------------------------------------------------------------
 
 
-def write_tree_kv_ref(k_cache, v_cache, k, v, cu_seqlens, slot_idx, cache_lens):
+def write_tree_kv_ref(k_cache, v_cache, k, v, cu_seqlens, slot_idx, cache_lens, *, stash=None):
     """In place: node i of tree b goes to `cache[slot_idx[b], cache_lens[b] + i]`.
 
     k_cache, v_cache (S, Lmax, Hkv, Dh); k, v (T, Hkv, Dh) with T >= cu_seqlens[-1]: rows past the
     last tree are padding and are not written (a CUDA graph's commit has a fixed row count).
+    `stash = (k_rows, v_rows)`, each (T, Hkv, Dh) with the head dimension contiguous, also receives
+    every tree row as it is (what a later commit of the path needs): a verify keeps its K/V there
+    without a copy launch of its own.
     """
     T = int(cu_seqlens[-1])
+    if stash is not None:
+        _check_kv_stash(k, stash)
+        stash[0][:T] = k[:T].to(stash[0].dtype)
+        stash[1][:T] = v[:T].to(stash[1].dtype)
     tree, local = packed_rows(cu_seqlens, T)
     slot = slot_idx.long()[tree]
     pos = cache_lens.long()[tree] + local
     k_cache[slot, pos] = k[:T].to(k_cache.dtype)
     v_cache[slot, pos] = v[:T].to(v_cache.dtype)
+
+
+def _check_kv_stash(k, stash) -> None:
+    if len(stash) != 2 or any(t.shape != k.shape or t.stride(-1) != 1 for t in stash):
+        shapes = [tuple(t.shape) for t in stash]
+        raise ValueError(f"K/V stash {shapes} does not fit K/V rows {tuple(k.shape)} (head dimension contiguous)")
 
 
 def tree_attention_ref(q, k_cache, v_cache, parents, cu_seqlens, slot_idx, cache_lens, max_nodes, scale,
@@ -350,11 +363,12 @@ def tree_attention(q, k_cache, v_cache, parents, cu_seqlens, slot_idx, cache_len
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, slot_ptr, lens_ptr, T, B,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, slot_ptr, lens_ptr, ks_ptr, vs_ptr, T, B,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcs, stride_kcl, stride_kch, stride_vcs, stride_vcl, stride_vch,
+    stride_kst, stride_ksh, stride_vst, stride_vsh,
     DH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_DH: tl.constexpr,
-    PDL: tl.constexpr,
+    STASH: tl.constexpr, PDL: tl.constexpr,
 ):
     release_next(PDL)
     wait_for_previous(PDL)  # every input below may come from the kernel before
@@ -380,27 +394,35 @@ def _write_kv_kernel(
     v = tl.load(v_ptr + src * stride_vt + h * stride_vh + dd[None, :], mask=mask)
     tl.store(vc_ptr + slot[:, None] * stride_vcs + dst * stride_vcl + h * stride_vch + dd[None, :],
              v.to(vc_ptr.dtype.element_ty), mask=mask)
+    if STASH:
+        tl.store(ks_ptr + src * stride_kst + h * stride_ksh + dd[None, :], k.to(ks_ptr.dtype.element_ty), mask=mask)
+        tl.store(vs_ptr + src * stride_vst + h * stride_vsh + dd[None, :], v.to(vs_ptr.dtype.element_ty), mask=mask)
 
 
-def write_tree_kv(k_cache, v_cache, k, v, cu_seqlens, slot_idx, cache_lens):
+def write_tree_kv(k_cache, v_cache, k, v, cu_seqlens, slot_idx, cache_lens, *, stash=None):
     """Triton twin of `write_tree_kv_ref` (in place). One program per (packed row tile, kv head);
     each row finds its tree by counting the trees that end at or before it; rows past the last
-    tree are not written."""
+    tree are not written. The stash, when given, is written by the same programs from the same
+    loads."""
     T, Hkv, Dh = k.shape
+    if stash is not None:
+        _check_kv_stash(k, stash)
     B = cu_seqlens.numel() - 1
     if T == 0 or B == 0:
         return
     for t in (k, v, k_cache, v_cache):
         if t.stride(-1) != 1:
             raise ValueError("head dimension must be contiguous")
+    ks, vs = stash if stash is not None else (k, v)
     BLOCK_T = min(32, triton.next_power_of_2(T))
     grid = (triton.cdiv(T, BLOCK_T), Hkv)
     _write_kv_kernel[grid](
-        k, v, k_cache, v_cache, cu_seqlens, slot_idx, cache_lens, T, B,
+        k, v, k_cache, v_cache, cu_seqlens, slot_idx, cache_lens, ks, vs, T, B,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         DH=Dh, BLOCK_T=BLOCK_T, BLOCK_B=max(16, triton.next_power_of_2(B)), BLOCK_DH=triton.next_power_of_2(Dh),
-        **pdl.launch_options(k.device), num_warps=4,
+        STASH=stash is not None, **pdl.launch_options(k.device), num_warps=4,
     )
 
 

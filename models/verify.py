@@ -25,6 +25,7 @@ class VerifyStash:
     n_attn, Hkv, Dh). All in the model dtype. The layer's tree conv writes both Mamba2 parts while it
     reads the one and computes the other: its output goes straight into xBC, where the layer's scan
     reads it, so nothing is written twice and no copy launch runs. The commit splits the columns.
+    Likewise an attention layer's K/V write into the cache fills k and v from the same loads.
     """
 
     def __init__(self, pool: StatePool, T: int, dtype: torch.dtype):
@@ -53,11 +54,10 @@ class VerifyStash:
         xBC (T, conv_dim)), the tree conv's stash and its output."""
         return self.xbc_dt[:T, layer], self.xBC[:T, layer]
 
-    def put_attention(self, layer: int, k, v) -> None:
-        """k, v (T, Hkv, Dh) of attention block number `layer`."""
-        T = k.shape[0]
-        self.k[:T, layer].copy_(k)
-        self.v[:T, layer].copy_(v)
+    def attention_rows(self, layer: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where attention block number `layer` keeps its first `T` rows: views (k (T, Hkv, Dh),
+        v (T, Hkv, Dh)), which the block's K/V write into the cache fills as well."""
+        return self.k[:T, layer], self.v[:T, layer]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {n: getattr(self, n) for n in ("xbc_dt", "xBC", "k", "v") if n in self.__dict__}

@@ -84,11 +84,11 @@ class Attention(nn.Module):
     def _tree(self, h, batch: Packed, pool: StatePool, stash) -> torch.Tensor:
         q, k, v = self._qkv(h, batch.positions)
         k_cache, v_cache = pool.kv_layer(self.layer)
-        ops.write_tree_kv(k_cache, v_cache, k, v, batch.cu_seqlens, batch.slot_idx, batch.cache_lens)
+        # a verify's K/V also go to its stash (what a commit writes back), from the same launch
+        kept = stash.attention_rows(self.layer, h.shape[0]) if stash is not None else None
+        ops.write_tree_kv(k_cache, v_cache, k, v, batch.cu_seqlens, batch.slot_idx, batch.cache_lens, stash=kept)
         o = ops.tree_attention(
             q, k_cache, v_cache, batch.parents, batch.cu_seqlens, batch.slot_idx, batch.cache_lens,
             batch.max_nodes, self.spec.softmax_scale,
         )
-        if stash is not None:
-            stash.put_attention(self.layer, k=k, v=v)
         return self._out(o)

@@ -38,6 +38,8 @@ _REACHED = {
     "in_proj": ("mamba2", 1), "tree_conv": ("mamba2", 1), "tree_scan": ("mamba2", 1),
     "gated_norm": ("mamba2", 1), "out_proj": ("mamba2", 1), "decode_step": ("mamba2", 0),
     "add_norm": ("mamba2", 1), "lm_head": ("mamba2", 1), "attention": ("bamba", 1), "mlp": ("bamba", 1),
+    "qkv_proj": ("bamba", 1), "tree_attention": ("bamba", 0), "o_proj": ("bamba", 1), "rope": ("bamba", 1),
+    "write_kv": ("bamba", 0),
 }
 
 
@@ -63,7 +65,7 @@ def test_knockout_replaces_the_op_and_restores_it(op):
 def test_ops_a_model_lacks_are_not_reached():
     with torch.no_grad():
         lm = _lm("mamba2")
-        for op in ("attention", "mlp"):
+        for op in ("attention", "qkv_proj", "rope", "write_kv", "tree_attention", "o_proj", "mlp"):
             with knocked_out(lm, op) as calls:
                 _outputs(lm)
             assert calls[0] == 0

@@ -163,6 +163,23 @@ def test_tree_attention_model_size(num_splits):
             torch.testing.assert_close(got[int(c["cu"][b]) + i].double(), _oracle(c, b, i), **ATTN_TOL)
 
 
+def test_write_tree_kv_stash_model_size():
+    """The verify's K/V stash written by the cache write: rows of a (T, layers, Hkv, Dh) buffer, bit-identical
+    to the input; the other layers' columns untouched; the cache as without a stash."""
+    c = _attn_case(TREES, [4096, 128, 1000, 129, 2047, 3001], seed=6)
+    T = c["k"].shape[0]
+    buf_k = torch.full((T, 4, *c["k"].shape[1:]), float("nan"), dtype=c["k"].dtype, device=DEV)
+    buf_v = torch.full_like(buf_k, float("nan"))
+    kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
+    kr, vr = c["k_cache"].clone(), c["v_cache"].clone()
+    ta.write_tree_kv(kc, vc, c["k"], c["v"], c["cu"], c["slots"], c["lens"], stash=(buf_k[:, 2], buf_v[:, 2]))
+    ta.write_tree_kv_ref(kr, vr, c["k"], c["v"], c["cu"], c["slots"], c["lens"])
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+    assert torch.equal(buf_k[:, 2], c["k"]) and torch.equal(buf_v[:, 2], c["v"])
+    for other in (0, 1, 3):
+        assert torch.isnan(buf_k[:, other]).all() and torch.isnan(buf_v[:, other]).all()
+
+
 def test_tree_attention_256_nodes_and_decode_batch():
     """The largest tree (256 nodes, a deep one) and a batch of 16 one-token decodes."""
     c = _attn_case([(256, "deep")], [777], seed=9, Lmax=2048)

@@ -123,6 +123,41 @@ def test_write_tree_kv_bit_identical(dtype):
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("pad", [0, 5])
+def test_write_tree_kv_fills_the_stash(impl, pad):
+    """With a stash (rows of a wider (T, layers, Hkv, Dh) buffer, as a verify passes it) every tree row
+    lands there unchanged, padding rows and the other layers' columns stay as they were (NaN), and
+    the cache gets exactly what it gets without a stash."""
+    case = Case(MIXED, 4, 2, 32, [0, 3, 9, 1, 2, 30], torch.float16, seed=13, S=9)
+    gen = torch.Generator().manual_seed(pad)
+    k = torch.cat([case.k, torch.randn(pad, *case.k.shape[1:], generator=gen).to(case.k.dtype)])
+    v = torch.cat([case.v, torch.randn(pad, *case.v.shape[1:], generator=gen).to(case.v.dtype)])
+    T, real = k.shape[0], int(case.cu[-1])
+    buf_k = torch.full((T, 3, *k.shape[1:]), float("nan"), dtype=k.dtype)
+    buf_v = torch.full_like(buf_k, float("nan"))
+    write = ta.write_tree_kv if impl == "triton" else ta.write_tree_kv_ref
+    kc, vc = case.caches()
+    write(kc, vc, k, v, case.cu, case.slots, case.lens, stash=(buf_k[:, 1], buf_v[:, 1]))
+    kr, vr = case.caches()
+    ta.write_tree_kv_ref(kr, vr, k, v, case.cu, case.slots, case.lens)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+    assert torch.equal(buf_k[:real, 1], k[:real]) and torch.equal(buf_v[:real, 1], v[:real])
+    assert torch.isnan(buf_k[real:]).all() and torch.isnan(buf_v[real:]).all()
+    for other in (0, 2):
+        assert torch.isnan(buf_k[:, other]).all() and torch.isnan(buf_v[:, other]).all()
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_write_tree_kv_rejects_a_stash_that_does_not_fit(impl):
+    case = Case(MIXED, 4, 2, 16, [0, 3, 9, 1, 2, 30], torch.float32, seed=3, S=9)
+    write = ta.write_tree_kv if impl == "triton" else ta.write_tree_kv_ref
+    kc, vc = case.caches()
+    short = torch.empty(case.k.shape[0] - 1, *case.k.shape[1:])
+    with pytest.raises(ValueError, match="does not fit"):
+        write(kc, vc, case.k, case.v, case.cu, case.slots, case.lens, stash=(short, short))
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
 @pytest.mark.parametrize("pad", [1, 37])
 def test_write_tree_kv_ignores_rows_past_the_last_tree(impl, pad):
     """A commit graph passes a fixed number of rows: those past cu[-1] must change nothing (the last

@@ -59,9 +59,14 @@ def ssm_state_commit_ref(ssm_state, slot_idx, x, dt, B, rows, path_len, A, dt_bi
     after = torch.flip(torch.cumsum(torch.flip(dA, [1]), 1), [1]) - dA
     w = torch.exp(after.clamp(max=0.0)) * dtv  # (nb, K, L, H)
     slots = slot_idx.long()
-    h0 = state[slots]
-    h_new = torch.exp(dA.sum(1))[..., None, None] * h0 + torch.einsum("bklh,bklhp,bklhn->blhpn", w, xs, Bh)
-    state[slots] = h_new
+    # steps summed one at a time, in path order: padding steps then add exact zeros, so a path padded
+    # to a longer bucket gives the same bits (a reduction over K would group the terms by K)
+    total = torch.zeros_like(dA[:, 0])
+    inputs = torch.zeros_like(state[slots])
+    for k in range(K):
+        total = total + dA[:, k]
+        inputs = inputs + w[:, k, ..., None, None] * xs[:, k, ..., None] * Bh[:, k, ..., None, :]
+    state[slots] = torch.exp(total)[..., None, None] * state[slots] + inputs
 
 
 @triton.jit

@@ -19,7 +19,10 @@ def dt_activation(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_limit) -> t
     v = dt.float()
     if dt_bias is not None:
         v = v + dt_bias.float()
-    v = torch.nn.functional.softplus(v, threshold=SOFTPLUS_THRESHOLD)
+    # in float64, rounded once: the fp32 softplus of a vectorised CPU loop and of its scalar tail
+    # can differ in the last bit, so the same dt would depend on its place in the tensor (and a
+    # batch padded for a graph would not match the eager one bit for bit)
+    v = torch.nn.functional.softplus(v.double(), threshold=SOFTPLUS_THRESHOLD).float()
     lo, hi = limits(dt_limit)
     return v.clamp(min=lo, max=hi)
 

@@ -63,6 +63,26 @@ def test_layers_at_once(impl):
     assert torch.equal(pool[idle], before[idle])
 
 
+@pytest.mark.parametrize("impl", [ssm_state_commit, ssm_state_commit_ref], ids=["triton", "reference"])
+def test_padding_changes_no_bit(impl):
+    """A CUDA graph commits a padded batch (paths padded to the bucket's step count with their last row,
+    extra sequences of length 0): the committed states are the unpadded commit's to the bit."""
+    case = commit_case([1, 2, 5, 3], 5, 4, 16, 16, 2, seed=31, slots=9)
+    plain = case["ssm_state"].clone()
+    impl(**{**case, "ssm_state": plain})
+    K, extra = 8, 3
+    rows = case["rows"]
+    last = rows.gather(1, (case["path_len"].long() - 1).clamp(min=0)[:, None])
+    padded_rows = torch.cat([rows, last.expand(-1, K - rows.shape[1])], 1)
+    spare = [s for s in range(9) if s not in case["slot_idx"].tolist()][:1] * extra
+    padded = case["ssm_state"].clone()
+    impl(**{**case, "ssm_state": padded,
+            "rows": torch.cat([padded_rows, torch.zeros(extra, K, dtype=rows.dtype)]),
+            "slot_idx": torch.cat([case["slot_idx"], torch.tensor(spare, dtype=torch.int32)]),
+            "path_len": torch.cat([case["path_len"], torch.zeros(extra, dtype=torch.int32)])})
+    assert torch.equal(padded, plain)
+
+
 def test_commit_then_decode_equals_sequential_decode():
     commit_then_decode("cpu", H=4, P=16, N=32, G=2, dtype=torch.float32, tol=1e-4)
 

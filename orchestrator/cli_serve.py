@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from orchestrator.generation import FrontLimits
-from orchestrator.procs import Child, free_port, stop_all
+from orchestrator.procs import Child, PortTaken, free_port, stop_all
 from orchestrator.runtime import Orchestrator, OrchestratorConfig
 from treeserve import cores
 
@@ -146,20 +146,33 @@ def wait_services(children: list[Child], timeout: float = 900.0) -> None:
         raise
 
 
-def launch(plan: Plan, config: OrchestratorConfig, log_dir: Optional[str] = None) -> tuple[list[Child], Orchestrator]:
-    """Children and orchestrator; Ray starts while the models load."""
-    children, verifiers, drafter = start_services(plan, log_dir)
-    config.verifiers, config.drafter = verifiers, drafter
-    orch = Orchestrator(config)
-    try:
-        orch.prepare()
-        wait_services(children)
-        orch.start()
-    except BaseException:
-        stop_all(children)
-        orch.stop()
-        raise
-    return children, orch
+def launch(plan: Plan, config: OrchestratorConfig, log_dir: Optional[str] = None,
+           attempts: int = 3) -> tuple[list[Child], Orchestrator]:
+    """Children and orchestrator; Ray starts while the models load. A child whose port was taken
+    between choosing it and binding it (another program on the machine) is not an error of the
+    deployment: everything starts again on new ports, up to `attempts` times."""
+    attempt = 1
+    while True:
+        children, verifiers, drafter = start_services(plan, log_dir)
+        config.verifiers, config.drafter = verifiers, drafter
+        orch = Orchestrator(config)
+        try:
+            orch.prepare()
+            wait_services(children)
+            orch.start()
+            return children, orch
+        except PortTaken as exc:
+            stop_all(children)
+            orch.stop()
+            if attempt >= attempts:
+                raise
+            attempt += 1
+            log.warning("a service's port was taken before it could bind it; starting again on new ports (%s)",
+                        str(exc).splitlines()[0])
+        except BaseException:
+            stop_all(children)
+            orch.stop()
+            raise
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@ wait until its health check says SERVING, stop it."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -17,9 +18,46 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
+_BIND_FAILED = "Failed to bind to address"  # grpc's words when a server cannot take its port
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+class PortTaken(RuntimeError):
+    """A child could not bind the port it was given: something else took it first."""
+
+
+# Ray's worker processes take ports 10002-19999 by default; ours are chosen above them.
+_LOWEST_PORT = 20000
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel hands out for port-0 binds and outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
+    """A port that is free now, for a child process to bind a moment later.
+
+    Chosen below the kernel's ephemeral range where there is room: a port that the kernel handed
+    out for a port-0 bind and then took back is soon handed out again, to any outgoing connection
+    or port-0 bind on the machine, and the child that meant to bind it would fail with 'Address
+    already in use'. Explicit binds are the only competition below the range.
+    """
+    rng = rng or random.Random()
+    lo, _ = _ephemeral_ports()
+    if lo - _LOWEST_PORT >= 1000:
+        for _ in range(64):
+            port = rng.randrange(_LOWEST_PORT, lo)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -72,7 +110,9 @@ class Child:
                 self.address = f"{host or m.group(1)}:{m.group(2)}"
                 break
             if not self.alive():
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
+                out = self.output()
+                failure = PortTaken if _BIND_FAILED in out else RuntimeError
+                raise failure(f"{self.name} exited with {self.proc.returncode}:\n{out[-3000:]}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name} did not start in {timeout:.0f} s:\n{self.output()[-3000:]}")
             time.sleep(0.1)

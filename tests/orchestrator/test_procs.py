@@ -1,5 +1,8 @@
-"""Child service processes: starting one whose log file an earlier run already wrote to."""
+"""Child service processes: their ports (chosen free, taken by someone else before the child binds them), and a
+log file an earlier run already wrote to."""
 from __future__ import annotations
+
+import pytest
 
 from orchestrator.procs import Child, free_port
 
@@ -18,3 +21,68 @@ def test_reused_log_file_is_not_mistaken_for_this_run(tmp_path):
     assert address != f"127.0.0.1:{stale}"
     assert f"listening on {address}" in child.output()
     assert log.read_text().startswith(f"drafter listening on 127.0.0.1:{stale}\n")  # appended, not truncated
+
+
+def test_free_port_is_free_and_below_the_ephemeral_range():
+    """Ports the kernel hands out for port-0 binds come back to anyone soon after; ours are chosen
+    where only explicit binds compete (when the machine's range leaves room below it)."""
+    import random
+    import socket
+
+    from orchestrator.procs import _LOWEST_PORT, _ephemeral_ports
+
+    lo, _ = _ephemeral_ports()
+    rng = random.Random(5)
+    for _ in range(20):
+        port = free_port(rng=rng)
+        if lo - _LOWEST_PORT >= 1000:
+            assert _LOWEST_PORT <= port < lo
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_a_child_whose_port_is_taken_says_so():
+    import socket
+
+    from orchestrator.procs import PortTaken
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", free_port()))
+        holder.listen()
+        port = holder.getsockname()[1]
+        child = Child(["drafter", "--ngram", "--port", port], "drafter")
+        try:
+            with pytest.raises(PortTaken, match="drafter exited"):
+                child.wait(60)
+        finally:
+            child.stop()
+
+
+_TAKEN_PORT_DEMO = """
+import socket, sys
+import orchestrator.cli_serve as serve
+from treeserve.cli import main
+
+holder = socket.socket()
+holder.bind(("127.0.0.1", serve.free_port()))
+holder.listen()
+ports = [holder.getsockname()[1]]  # the first port handed out is one this process holds
+chosen = serve.free_port
+serve.free_port = lambda: ports.pop() if ports else chosen()
+sys.exit(main(["demo", "--ngram", "--device", "cpu", "--prompts", "1", "--max-new-tokens", "4"]))
+"""
+
+
+def test_a_launch_whose_port_was_taken_starts_again_on_new_ports():
+    """The whole system, launched as `treeserve demo` does, when the first port it chose is taken
+    before the verifier can bind it: it starts again on new ports and serves."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run([sys.executable, "-c", _TAKEN_PORT_DEMO], cwd=root, capture_output=True, text=True,
+                         timeout=600, env=dict(os.environ, PYTHONPATH=root))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "starting again on new ports" in run.stderr
+    assert "ready in" in run.stdout

@@ -9,23 +9,17 @@ import time
 
 import grpc
 
+from orchestrator.procs import free_port
+
 MAX_SEQUENCES = 12
 MAX_TREE_NODES = 16
 MAX_SEQUENCE_LENGTH = 192
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class VerifierProcess:
     def __init__(self, model_dir, *extra: str, startup_s: float = 120.0):
-        self.metrics_port = _free_port()
+        self.metrics_port = free_port()
         cmd = [
             sys.executable, "-m", "treeserve.cli", "verifier", "--model", str(model_dir), "--device", "cpu",
             "--port", "0", "--max-sequences", str(MAX_SEQUENCES), "--max-tree-nodes", str(MAX_TREE_NODES),

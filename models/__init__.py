@@ -1,5 +1,6 @@
-"""Hybrid-model runtime: load a Hugging Face checkpoint (Mamba2, NemotronH, Bamba), keep per-sequence
-state in slots, and run batched prefill / decode / tree verification / commit (docs/internals.md).
+"""Hybrid-model runtime: load a Hugging Face checkpoint (Mamba2, NemotronH, Bamba, GraniteMoeHybrid,
+FalconH1), keep per-sequence state in slots, and run batched prefill / decode / tree verification /
+commit (docs/internals.md).
 
 Names are imported on first use, so `import models.<submodule>` stays light.
 """
@@ -17,6 +18,7 @@ _EXPORTS = {
     "AttentionSpec": "models.config",
     "MLPSpec": "models.config",
     "MoESpec": "models.config",
+    "ParallelSpec": "models.config",
     "CheckpointError": "models.errors",
     "SequenceTooLong": "models.errors",
     "SlotsExhausted": "models.errors",

@@ -1,9 +1,14 @@
 """The normalised model description every architecture is mapped onto.
 
 A hybrid model is a token embedding, a list of pre-norm residual *blocks* and a final norm plus LM
-head. Each block is `h = h + mixer(rmsnorm(h))` with one of four mixers: a Mamba2 mixer, an
-attention mixer, a dense MLP or a mixture of experts. Architectures whose decoder layer holds two
-sublayers (Bamba: mixer then MLP) become two blocks.
+head. Each block is `h = h + mixer(rmsnorm(h))` with one of five mixers: a Mamba2 mixer, an
+attention mixer, a dense MLP, a mixture of experts, or a parallel mixer (a Mamba2 mixer and an
+attention side by side on the same input, outputs summed: FalconH1). Architectures whose decoder
+layer holds two sublayers (Bamba: mixer then MLP) become two blocks.
+
+Stateful sublayers (every Mamba2 mixer and every attention, the halves of a parallel mixer
+included) are numbered per kind in block order by `HybridConfig.state_layers`: the index of a
+layer's state in the StatePool and its verify stash.
 """
 from __future__ import annotations
 
@@ -11,9 +16,20 @@ from dataclasses import dataclass, field
 from typing import Union
 
 
+GATE_NORMS = ("gated", "none", "norm_before_gate")
+
+
 @dataclass(frozen=True)
 class MambaSpec:
-    """A Mamba2 mixer. `norm_group_size` is the span of the gated RMSNorm (d_inner when ungrouped)."""
+    """A Mamba2 mixer. `norm_group_size` is the span of the gated RMSNorm (d_inner when ungrouped).
+
+    `gate_norm` says how the scan output y meets the gate z before out_proj:
+    - "gated": w * rmsnorm(y * silu(z)) by groups (Mamba2, NemotronH, Bamba, Granite);
+    - "none": y * silu(z), no norm and no norm weight (FalconH1 with `mamba_rms_norm` false);
+    - "norm_before_gate": w * rmsnorm(y) * silu(z) by groups (FalconH1 `mamba_norm_before_gate`).
+    `proj_bias` is in_proj's bias, and out_proj's unless `out_bias` says otherwise (FalconH1 has a
+    flag for each).
+    """
 
     n_heads: int
     head_dim: int
@@ -26,7 +42,21 @@ class MambaSpec:
     norm_eps: float
     dt_limit: tuple[float, float] = (0.0, float("inf"))
     chunk_size: int = 256
+    gate_norm: str = "gated"
+    out_bias: bool | None = None
     kind: str = field(default="mamba", init=False)
+
+    def __post_init__(self):
+        if self.gate_norm not in GATE_NORMS:
+            raise ValueError(f"gate_norm {self.gate_norm!r} is not one of {GATE_NORMS}")
+
+    @property
+    def out_proj_bias(self) -> bool:
+        return self.proj_bias if self.out_bias is None else self.out_bias
+
+    @property
+    def has_norm(self) -> bool:
+        return self.gate_norm != "none"
 
     @property
     def d_inner(self) -> int:
@@ -110,7 +140,27 @@ class MoESpec:
         return self.router == "softmax_topk"
 
 
-MixerSpec = Union[MambaSpec, AttentionSpec, MLPSpec, MoESpec]
+@dataclass(frozen=True)
+class ParallelSpec:
+    """A Mamba2 mixer and an attention applied to the same normed input, outputs summed (FalconH1's
+    first sublayer). Each half keeps its own state like a block of its own."""
+
+    mamba: MambaSpec
+    attention: AttentionSpec
+    kind: str = field(default="parallel", init=False)
+
+
+MixerSpec = Union[MambaSpec, AttentionSpec, MLPSpec, MoESpec, ParallelSpec]
+StatefulSpec = Union[MambaSpec, AttentionSpec]
+
+
+def stateful_sublayers(spec: MixerSpec) -> tuple[StatefulSpec, ...]:
+    """The sublayers of a block that keep per-sequence state, in a fixed order."""
+    if isinstance(spec, (MambaSpec, AttentionSpec)):
+        return (spec,)
+    if isinstance(spec, ParallelSpec):
+        return (spec.mamba, spec.attention)
+    return ()
 
 
 @dataclass(frozen=True)
@@ -119,6 +169,8 @@ class HybridConfig:
 
     Block outputs are scaled by `residual_multiplier` before the residual add, embeddings by
     `embedding_multiplier`, and logits divided by `logits_scaling` (GraniteMoeHybrid; 1 elsewhere).
+    `load_scales` holds an architecture's factors that its weight map folds into the weights at load
+    time (FalconH1's multipliers), as (name, value) pairs; the forward never reads them.
     """
 
     model_type: str
@@ -135,22 +187,48 @@ class HybridConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    load_scales: tuple[tuple[str, object], ...] = ()
 
     @property
     def kinds(self) -> list[str]:
-        """Mixer kind of every block: "mamba", "attention", "mlp" or "moe"."""
+        """Mixer kind of every block: "mamba", "attention", "mlp", "moe" or "parallel"."""
         return [b.kind for b in self.blocks]
 
     def block_indices(self, kind: str) -> list[int]:
         return [i for i, b in enumerate(self.blocks) if b.kind == kind]
 
     @property
+    def state_layers(self) -> list[tuple[int, StatefulSpec, int]]:
+        """(block, sublayer spec, state index) of every stateful sublayer. The one place that numbers
+        them: Mamba2 mixers and attentions each count from 0 in block order (within a parallel
+        block, its Mamba2 half then its attention)."""
+        counts = {"mamba": 0, "attention": 0}
+        out = []
+        for b, spec in enumerate(self.blocks):
+            for sub in stateful_sublayers(spec):
+                out.append((b, sub, counts[sub.kind]))
+                counts[sub.kind] += 1
+        return out
+
+    def state_index(self, block: int, kind: str) -> int:
+        """State index of block `block`'s sublayer of kind "mamba" or "attention"."""
+        for b, sub, i in self.state_layers:
+            if b == block and sub.kind == kind:
+                return i
+        raise KeyError(f"block {block} has no {kind} sublayer")
+
+    @property
     def mamba_specs(self) -> list[MambaSpec]:
-        return [b for b in self.blocks if isinstance(b, MambaSpec)]
+        """Every Mamba2 mixer (parallel halves included), in state-index order."""
+        return [sub for _, sub, _ in self.state_layers if isinstance(sub, MambaSpec)]
 
     @property
     def attention_specs(self) -> list[AttentionSpec]:
-        return [b for b in self.blocks if isinstance(b, AttentionSpec)]
+        """Every attention (parallel halves included), in state-index order."""
+        return [sub for _, sub, _ in self.state_layers if isinstance(sub, AttentionSpec)]
+
+    def load_scale(self, name: str, default=1.0):
+        return dict(self.load_scales).get(name, default)
 
     def describe(self) -> str:
         """One line per distinct run of blocks, for logs."""

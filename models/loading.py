@@ -127,7 +127,8 @@ class StateDictSource(TensorSource):
 def gather_weights(
     wmap: Mapping[str, Source], source: TensorSource, target_shapes: Mapping[str, torch.Size]
 ) -> dict[str, torch.Tensor]:
-    """Build every runtime parameter (CPU or source device, source dtype) from its checkpoint tensors."""
+    """Build every runtime parameter (CPU or source device, source dtype; fp32 where the source
+    folds row scales in) from its checkpoint tensors."""
     out: dict[str, torch.Tensor] = {}
     for target, src in wmap.items():
         parts = []
@@ -146,6 +147,10 @@ def gather_weights(
             w = parts[0]
         else:
             w = torch.stack(parts, 0) if src.stack else torch.cat(parts, 0)
+        factors = src.row_factors()
+        if factors is not None:  # folded multipliers: in fp32, before the parameter's dtype
+            factors = factors.to(w.device).view(-1, *([1] * (w.dim() - 1)))
+            w = w.float() * factors
         if target not in target_shapes:
             raise CheckpointError(f"internal error: no runtime parameter {target!r}")
         out[target] = w.reshape(target_shapes[target])

@@ -19,11 +19,12 @@ from torch import nn
 
 from models import batch as packing
 from models.batch import Packed
-from models.config import AttentionSpec, HybridConfig, MambaSpec, MLPSpec, MoESpec
+from models.config import AttentionSpec, HybridConfig, MambaSpec, MLPSpec, MoESpec, ParallelSpec
 from models.errors import CheckpointError
 from models.layers.attention import Attention
 from models.layers.mamba import MambaMixer
 from models.layers.mlp import MLP, MoE
+from models.layers.parallel import ParallelMixer
 from models.layers.linear import linear
 from models.layers.norms import add_rms_norm, rms_norm
 from models.loading import (
@@ -46,22 +47,25 @@ class _Norm(nn.Module):
 
 
 class Block(nn.Module):
-    """`h + mixer(rmsnorm(h))`."""
+    """`h + mixer(rmsnorm(h))`; `layers` maps "mamba"/"attention" to the state index of the block's
+    sublayer of that kind (`HybridConfig.state_layers`)."""
 
-    def __init__(self, spec, d_model: int, layer: int, dtype, device):
+    def __init__(self, spec, d_model: int, layers: dict[str, int], dtype, device):
         super().__init__()
         self.norm = _Norm(d_model, dtype, device)
         if isinstance(spec, MambaSpec):
-            self.mixer = MambaMixer(spec, d_model, layer, dtype, device)
+            self.mixer = MambaMixer(spec, d_model, layers["mamba"], dtype, device)
         elif isinstance(spec, AttentionSpec):
-            self.mixer = Attention(spec, d_model, layer, dtype, device)
+            self.mixer = Attention(spec, d_model, layers["attention"], dtype, device)
+        elif isinstance(spec, ParallelSpec):
+            self.mixer = ParallelMixer(spec, d_model, layers["mamba"], layers["attention"], dtype, device)
         elif isinstance(spec, MLPSpec):
             self.mixer = MLP(spec, d_model, dtype, device)
         elif isinstance(spec, MoESpec):
             self.mixer = MoE(spec, d_model, dtype, device)
         else:
             raise TypeError(spec)
-        self.stateful = isinstance(spec, (MambaSpec, AttentionSpec))
+        self.stateful = isinstance(spec, (MambaSpec, AttentionSpec, ParallelSpec))
 
 
 class HybridLM(nn.Module):
@@ -84,19 +88,17 @@ class HybridLM(nn.Module):
         self.tokenizer = None
         d = config.d_model
         self.embed = nn.Embedding(config.vocab_size, d, dtype=dtype, device=device)
-        blocks, counts = [], {"mamba": 0, "attention": 0}
-        for spec in config.blocks:
-            layer = counts.get(spec.kind, 0)
-            if spec.kind in counts:
-                counts[spec.kind] += 1
-            blocks.append(Block(spec, d, layer, dtype, device))
-        self.blocks = nn.ModuleList(blocks)
+        layers: list[dict[str, int]] = [{} for _ in config.blocks]
+        for b, sub, index in config.state_layers:
+            layers[b][sub.kind] = index
+        self.blocks = nn.ModuleList(Block(spec, d, layers[b], dtype, device) for b, spec in enumerate(config.blocks))
         self.norm_f = _Norm(d, dtype, device)
         if not config.tie_embeddings:
             self.lm_head = nn.Linear(d, config.vocab_size, bias=False, dtype=dtype, device=device)
         self.residual_dtype = torch.float32 if config.residual_in_fp32 else dtype
         self.pool = StatePool(config, max_slots, max_len, device, dtype, tree_headroom=tree_headroom)
-        self._mambas = [b.mixer for b in self.blocks if isinstance(b.mixer, MambaMixer)]
+        # every Mamba2 mixer (parallel halves included) in state-index order: A_all / dt_bias_all rows
+        self._mambas = sorted((m for m in self.modules() if isinstance(m, MambaMixer)), key=lambda m: m.layer)
         self.A_all = self.dt_bias_all = None
         self.dt_limit = self._mambas[0].spec.dt_limit if self._mambas else None
         self.graphs = None

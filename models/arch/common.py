@@ -3,10 +3,13 @@
 A *source* says which checkpoint tensors make up one runtime parameter: their names, the shape
 each must have, and how they combine (concatenated along dim 0, e.g. q|k|v into one projection, or
 stacked, e.g. per-expert matrices into one (E, ...) tensor). The loader checks every shape.
+
+A source may also carry row scales (`scaled`): factors an architecture folds into the weights at
+load (FalconH1's multipliers), applied in fp32 before the parameter takes the model dtype.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 from models.config import AttentionSpec, MambaSpec, MLPSpec, MoESpec
@@ -22,10 +25,55 @@ class Source:
     names: tuple[str, ...]
     shapes: tuple[Shape, ...]
     stack: bool = False  # stack along a new dim 0 instead of concatenating along dim 0
+    # row scales: (rows, factor) segments covering dim 0 in order; empty for none
+    scale: tuple[tuple[int, float], ...] = ()
 
     @staticmethod
     def one(name: str, shape: Shape) -> "Source":
         return Source((name,), (tuple(shape),))
+
+    @property
+    def rows(self) -> int:
+        return len(self.shapes) if self.stack else sum(s[0] for s in self.shapes)
+
+    def scaled(self, segments) -> "Source":
+        """This source with its rows also multiplied by `segments` ((rows, factor), ... in order,
+        covering all rows; a plain number scales every row); composes with scales already set."""
+        if isinstance(segments, (int, float)):
+            segments = ((self.rows, float(segments)),)
+        segments = tuple((int(n), float(f)) for n, f in segments)
+        if sum(n for n, _ in segments) != self.rows:
+            raise ValueError(f"row scales cover {sum(n for n, _ in segments)} rows, the source has {self.rows}")
+        if all(f == 1.0 for _, f in segments):
+            return self
+        if self.scale:
+            segments = _multiply(self.scale, segments)
+        return replace(self, scale=segments)
+
+    def row_factors(self):
+        """(rows,) fp32 factors, or None without scales."""
+        import torch
+
+        if not self.scale:
+            return None
+        return torch.cat([torch.full((n,), f, dtype=torch.float32) for n, f in self.scale])
+
+
+def _multiply(a, b):
+    """Product of two segment lists over the same rows."""
+    out, i, j = [], 0, 0
+    a, b = [list(x) for x in a], [list(x) for x in b]
+    while i < len(a) and j < len(b):
+        n = min(a[i][0], b[j][0])
+        if n:
+            out.append((n, a[i][1] * b[j][1]))
+        a[i][0] -= n
+        b[j][0] -= n
+        if a[i][0] == 0:
+            i += 1
+        if b[j][0] == 0:
+            j += 1
+    return tuple(out)
 
 
 WeightMap = dict[str, Source]
@@ -34,6 +82,14 @@ WeightMap = dict[str, Source]
 def require_silu(act: str, what: str, path: str) -> None:
     if act != "silu":
         raise CheckpointError(f"{what} activation {act!r} is not supported (only 'silu')", path=path)
+
+
+def scale_linear(out: WeightMap, target: str, segments, bias: bool = True) -> None:
+    """Fold row scales into projection `target`'s weight and, when it has one and `bias`, its bias
+    (an output scale multiplies both; an input scale only the weight: pass bias=False)."""
+    out[f"{target}.weight"] = out[f"{target}.weight"].scaled(segments)
+    if bias and f"{target}.bias" in out:
+        out[f"{target}.bias"] = out[f"{target}.bias"].scaled(segments)
 
 
 def linear(out: WeightMap, target: str, name: str, rows: int, cols: int, bias: bool) -> None:
@@ -52,15 +108,16 @@ def fused_linear(out: WeightMap, target: str, parts: list[tuple[str, int]], cols
 
 
 def mamba_mixer(out: WeightMap, target: str, ckpt: str, spec: MambaSpec, d_model: int) -> None:
-    """Hugging Face Mamba2 mixer naming (Mamba2, NemotronH, Bamba, ...)."""
+    """Hugging Face Mamba2 mixer naming (Mamba2, NemotronH, Bamba, FalconH1, ...)."""
     linear(out, f"{target}.in_proj", f"{ckpt}.in_proj", spec.in_proj_dim, d_model, spec.proj_bias)
     out[f"{target}.conv_weight"] = Source.one(f"{ckpt}.conv1d.weight", (spec.conv_dim, 1, spec.d_conv))
     if spec.conv_bias:
         out[f"{target}.conv_bias"] = Source.one(f"{ckpt}.conv1d.bias", (spec.conv_dim,))
     for p in ("dt_bias", "A_log", "D"):
         out[f"{target}.{p}"] = Source.one(f"{ckpt}.{p}", (spec.n_heads,))
-    out[f"{target}.norm_weight"] = Source.one(f"{ckpt}.norm.weight", (spec.d_inner,))
-    linear(out, f"{target}.out_proj", f"{ckpt}.out_proj", d_model, spec.d_inner, spec.proj_bias)
+    if spec.has_norm:
+        out[f"{target}.norm_weight"] = Source.one(f"{ckpt}.norm.weight", (spec.d_inner,))
+    linear(out, f"{target}.out_proj", f"{ckpt}.out_proj", d_model, spec.d_inner, spec.out_proj_bias)
 
 
 def attention(out: WeightMap, target: str, ckpt: str, spec: AttentionSpec, d_model: int) -> None:

@@ -1,7 +1,8 @@
 """The Mamba2 mixer in its three modes, composed from `kernels.ops`.
 
 in_proj -> z | xBC | dt; causal depthwise conv + SiLU over xBC; SSD scan over (x, dt, B, C);
-gated RMSNorm of y with z; out_proj. The mixer's state lives in the StatePool (index `layer` among
+y meets the gate z (`MambaSpec.gate_norm`: gated RMSNorm of y * silu(z), plain y * silu(z), or
+RMSNorm of y then * silu(z)); out_proj. The mixer's state lives in the StatePool (index `layer` among
 the Mamba2 blocks); verification leaves it untouched and records, per node, what a commit needs:
 the raw conv inputs, x, B and the raw dt (into a VerifyStash).
 """
@@ -14,7 +15,7 @@ from kernels import ops
 from models.batch import Packed
 from models.config import MambaSpec
 from models.layers.linear import Linear
-from models.layers.norms import RowScaled, gated_rms_norm
+from models.layers.norms import RowScaled, gated_rms_norm, norm_before_gate, silu_gated
 from models.state import StatePool
 
 MAX_DECODE_ROWS = 4096  # largest decode batch (sequences per step)
@@ -33,15 +34,21 @@ class MambaMixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(spec.n_heads, **f32))
         self.A_log = nn.Parameter(torch.empty(spec.n_heads, **f32))
         self.D = nn.Parameter(torch.empty(spec.n_heads, **f32))
-        self.norm_weight = nn.Parameter(torch.empty(spec.d_inner, **kw))
-        self.out_proj = Linear(spec.d_inner, d_model, bias=spec.proj_bias, **kw)
+        self.norm_weight = nn.Parameter(torch.empty(spec.d_inner, **kw)) if spec.has_norm else None
+        self.out_proj = Linear(spec.d_inner, d_model, bias=spec.out_proj_bias, **kw)
         self.register_buffer("A", torch.empty(spec.n_heads, **f32), persistent=False)
         # the fused decode step's per-row arrival counters (left at zero by every launch)
         rows = torch.zeros(MAX_DECODE_ROWS, dtype=torch.int32, device=device)
         self.register_buffer("arrivals", rows, persistent=False)
+        # the fused decode step (kernels/mamba_decode.py) ends in the gated norm; other gate_norm
+        # variants decode through the unfused kernels (tree conv, conv commit, chain update)
+        self.decode_fused = spec.gate_norm == "gated"
         # a gated norm over the whole row, followed by a bias-free out_proj, is one factor per row
-        # that decode leaves to the residual add after out_proj (kernels/mamba_decode.py)
-        self.decode_defers_norm = spec.norm_group_size == spec.d_inner and not spec.proj_bias
+        # that decode leaves to the residual add after out_proj (kernels/mamba_decode.py); a
+        # container that adds this output to another (ParallelMixer) turns it off
+        self.decode_defers_norm = (
+            self.decode_fused and spec.norm_group_size == spec.d_inner and not spec.out_proj_bias
+        )
 
     def prepare(self) -> None:
         """Derive constants once the weights are loaded."""
@@ -58,7 +65,13 @@ class MambaMixer(nn.Module):
     def _finish(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         s = self.spec
         T = y.shape[0]
-        g = gated_rms_norm(y.reshape(T, s.d_inner), z, self.norm_weight, s.norm_group_size, s.norm_eps, z.dtype)
+        y = y.reshape(T, s.d_inner)
+        if s.gate_norm == "gated":
+            g = gated_rms_norm(y, z, self.norm_weight, s.norm_group_size, s.norm_eps, z.dtype)
+        elif s.gate_norm == "none":
+            g = silu_gated(y, z, z.dtype)
+        else:
+            g = norm_before_gate(y, z, self.norm_weight, s.norm_group_size, s.norm_eps, z.dtype)
         return self.out_proj(g)
 
     # ---- modes --------------------------------------------------------------------------------
@@ -93,8 +106,11 @@ class MambaMixer(nn.Module):
         """h (B, d_model), one token per sequence -> (B, d_model), or RowScaled((B, d_model), (B,)) when
         the gated norm's scale is deferred; advances conv and SSM state.
 
-        Everything between the projections (conv, state updates, SSM, gated norm) is one fused step."""
+        Everything between the projections (conv, state updates, SSM, gated norm) is one fused step
+        when the gate meets a gated norm; otherwise the unfused kernels run (`_decode_unfused`)."""
         s = self.spec
+        if not self.decode_fused:
+            return self._decode_unfused(h, batch, pool)
         common = (
             self.in_proj(h), pool.conv_layer(self.layer), pool.ssm_layer(self.layer), batch.slot_idx,
             self.conv_weight, self.conv_bias, self.A, self.D, self.dt_bias, s.dt_limit, self.norm_weight,
@@ -104,6 +120,30 @@ class MambaMixer(nn.Module):
             return RowScaled(self.out_proj(u), rstd)
         g = ops.mamba_decode_step(*common, s.norm_group_size, s.norm_eps, arrivals=self.arrivals)
         return self.out_proj(g)
+
+    def _decode_unfused(self, h: torch.Tensor, batch: Packed, pool: StatePool) -> torch.Tensor:
+        """Decode as a one-node tree per sequence: tree conv from the conv state, the conv state
+        moved on by the new input, one chain step of the SSM state (which applies silu(z) itself
+        when there is no norm), then the gate/norm and out_proj."""
+        s = self.spec
+        B = h.shape[0]
+        _, z, xbc, dt = self._project(h)
+        conv = pool.conv_layer(self.layer)
+        conv_out = ops.tree_conv1d(
+            xbc, self.conv_weight, self.conv_bias, conv, batch.parents, batch.cu_seqlens, batch.slot_idx,
+            batch.max_nodes,
+        )
+        # row b is the one step of sequence b (one node per tree: cu_seqlens[b] == b)
+        ops.conv_state_commit(conv, batch.slot_idx, xbc, batch.cu_seqlens[:-1, None], torch.ones_like(batch.slot_idx))
+        x, Bm, Cm = s.split_conv(conv_out)
+        gate = z.unflatten(-1, (s.n_heads, s.head_dim))[:, None] if s.gate_norm == "none" else None
+        y = ops.ssm_chain_update(
+            pool.ssm_layer(self.layer), batch.slot_idx, x[:, None], dt[:, None], self.A, Bm[:, None],
+            Cm[:, None], self.D, self.dt_bias, s.dt_limit, z=gate,
+        ).reshape(B, s.d_inner)
+        if s.gate_norm == "none":
+            return self.out_proj(y)
+        return self._finish(y, z)
 
     def verify(self, h: torch.Tensor, batch: Packed, pool: StatePool, stash) -> torch.Tensor:
         """h (T, d_model) packed tree nodes -> (T, d_model); state untouched, commit data stashed."""

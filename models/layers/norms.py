@@ -35,3 +35,20 @@ def gated_rms_norm(
 ) -> torch.Tensor:
     """rmsnorm(y * silu(z)) over groups of `group_size` channels; y, z (T, d_inner) -> (T, d_inner)."""
     return ops.gated_rms_norm(y, z, weight, group_size, eps, out_dtype)
+
+
+def silu_gated(y: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """y * silu(z) in fp32, rounded once to out_dtype (a Mamba2 gate without a norm: FalconH1)."""
+    return (y.float() * torch.nn.functional.silu(z.float())).to(out_dtype)
+
+
+def norm_before_gate(
+    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """weight * rmsnorm(y) * silu(z) over groups of `group_size` channels, in fp32 (FalconH1's
+    `mamba_norm_before_gate`); y, z (T, d_inner) -> (T, d_inner). PyTorch ops, no kernel of its own."""
+    T, d = y.shape
+    yg = y.float().view(T, d // group_size, group_size)
+    yg = yg * torch.rsqrt(yg.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight.float() * yg.view(T, d) * torch.nn.functional.silu(z.float())
+    return out.to(out_dtype)

@@ -3,7 +3,9 @@
 Weights are transformers' own random init, except where noted: dt biases are drawn so that
 softplus(dt) stays well above NemotronH's dt floor (transformers' decode path ignores dt limits
 while its prefill path applies them, so with an active clamp its two paths disagree with each
-other), and NemotronH router correction biases are made non-zero so routing depends on them.
+other), and NemotronH router correction biases are made non-zero so routing depends on them. FalconH1
+models get random projection biases (transformers starts them at zero), so that multipliers folded
+into the wrong bias, or left out of one, show.
 """
 from __future__ import annotations
 
@@ -13,7 +15,16 @@ from typing import Sequence
 import torch
 
 VOCAB = 96
-ARCHS = ("mamba2", "nemotron_h", "bamba", "granitemoehybrid")
+ARCHS = ("mamba2", "nemotron_h", "bamba", "granitemoehybrid", "falcon_h1")
+# the FalconH1 variants: no gated norm (as published), a gated norm by groups (tied embeddings),
+# and a norm before the gate
+FALCON = ("falcon_h1", "falcon_h1_norm", "falcon_h1_norm_first")
+
+_FALCON_BASE = dict(
+    hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+    mamba_n_heads=4, mamba_d_ssm=64, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=8,
+    initializer_range=0.1,
+)
 
 
 # per architecture: (transformers config class name, its keyword arguments)
@@ -56,6 +67,28 @@ _SPECS = {
         embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=1.5,
         initializer_range=0.1,
     )),
+    "falcon_h1": ("FalconH1Config", dict(
+        _FALCON_BASE, mamba_n_groups=1, mamba_rms_norm=False, mamba_proj_bias=True, projectors_bias=True,
+        attention_bias=True, mlp_bias=True,
+        embedding_multiplier=1.7, lm_head_multiplier=0.6, ssm_in_multiplier=0.8, ssm_out_multiplier=1.3,
+        ssm_multipliers=[0.7, 1.2, 0.9, 1.4, 0.6], attention_in_multiplier=1.1, attention_out_multiplier=0.75,
+        key_multiplier=1.6, mlp_multipliers=[1.3, 0.8],
+    )),
+    "falcon_h1_norm": ("FalconH1Config", dict(
+        _FALCON_BASE, mamba_n_groups=2, mamba_rms_norm=True, mamba_norm_before_gate=False,
+        mamba_proj_bias=False, projectors_bias=True, attention_bias=False, mlp_bias=True,
+        tie_word_embeddings=True, embedding_multiplier=0.9, lm_head_multiplier=1.8, ssm_in_multiplier=1.2,
+        ssm_out_multiplier=0.7, ssm_multipliers=[1.3, 0.8, 1.1, 0.6, 1.5], attention_in_multiplier=0.9,
+        attention_out_multiplier=1.4, key_multiplier=0.7, mlp_multipliers=[0.8, 1.25],
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+    )),
+    "falcon_h1_norm_first": ("FalconH1Config", dict(
+        _FALCON_BASE, mamba_n_groups=2, mamba_rms_norm=True, mamba_norm_before_gate=True,
+        mamba_proj_bias=True, projectors_bias=False, attention_bias=True, mlp_bias=False,
+        embedding_multiplier=1.3, lm_head_multiplier=0.8, ssm_in_multiplier=0.9, ssm_out_multiplier=1.2,
+        ssm_multipliers=[1.1, 0.9, 1.3, 0.7, 1.2], attention_in_multiplier=1.2, attention_out_multiplier=0.8,
+        key_multiplier=1.3, mlp_multipliers=[1.2, 0.9],
+    )),
 }
 
 
@@ -85,6 +118,8 @@ def make_model(arch: str, seed: int = 0, **overrides):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
             elif name.endswith("norm.weight") or "layernorm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif arch in FALCON and name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.3)

@@ -112,7 +112,7 @@ def test_unsupported_model_type(saved, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["model_type"] = "llama"
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"unsupported model_type 'llama'.*bamba, granitemoehybrid, mamba2, nemotron_h.*config\.json"):
+    with pytest.raises(CheckpointError, match=r"unsupported model_type 'llama'.*bamba, falcon_h1, granitemoehybrid, mamba2, nemotron_h.*config\.json"):
         HybridLM.from_pretrained(d)
 
 

@@ -5,7 +5,9 @@ softplus(dt) stays well above NemotronH's dt floor (transformers' decode path ig
 while its prefill path applies them, so with an active clamp its two paths disagree with each
 other), and NemotronH router correction biases are made non-zero so routing depends on them. FalconH1
 models get random projection biases (transformers starts them at zero), so that multipliers folded
-into the wrong bias, or left out of one, show.
+into the wrong bias, or left out of one, show; and small skip weights D and larger conv weights, so
+that the SSM state carries much of each Mamba2 output (with D = 1 the skip term dominates, and a
+wrong B or C scale would hardly show).
 """
 from __future__ import annotations
 
@@ -120,6 +122,10 @@ def make_model(arch: str, seed: int = 0, **overrides):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             elif arch in FALCON and name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif arch in FALCON and name.endswith("mamba.D"):
+                p.copy_(torch.empty(p.shape).uniform_(-0.3, 0.3, generator=gen))
+            elif arch in FALCON and name.endswith("conv1d.weight"):
+                p.copy_(0.4 * torch.randn(p.shape, generator=gen))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from models import HybridLM
@@ -20,8 +21,9 @@ def _pair(path):
     return plain, bucketed
 
 
-def test_bucketed_steps_match_plain_steps(saved):
-    path, model = saved("bamba")
+@pytest.mark.parametrize("arch", ["bamba", "falcon_h1", "falcon_h1_norm"])
+def test_bucketed_steps_match_plain_steps(saved, arch):
+    path, model = saved(arch)
     plain, bucketed = _pair(path)
     rng = random.Random(7)
     prompts = [random_prompt(rng, 5), random_prompt(rng, 8), random_prompt(rng, 3)]
@@ -82,13 +84,14 @@ def _state(pool) -> dict:
     return {n: getattr(pool, n).clone() for n in ("ssm", "conv", "k", "v") if getattr(pool, n, None) is not None}
 
 
-def test_graph_commit_is_the_eager_commit_bit_for_bit(saved):
+@pytest.mark.parametrize("arch", ["bamba", "falcon_h1"])
+def test_graph_commit_is_the_eager_commit_bit_for_bit(saved, arch):
     """The commit program a graph replays (padded batch, path steps padded to the bucket, attention
     rows padded past the last path) changes exactly what the eager commit changes, to the bit, and
     the graph path is the one taken for handles of the shared stash."""
     from models.verify import commit
 
-    path, _ = saved("bamba")  # Mamba2 and attention blocks: every state kind
+    path, _ = saved(arch)  # Mamba2 and attention sublayers: every state kind
     lm = HybridLM.from_pretrained(path, max_slots=4, max_len=48)
     lm.graphs = GraphRunner(lm, node_buckets=(4, 8), capture=False)
     rng = random.Random(9)

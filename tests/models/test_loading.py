@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from models import CheckpointError, HybridLM
 from tests.checkpoints import make_tokenizer
-from tests.models.hf_zoo import hf_logits, random_prompt
+from tests.models.hf_zoo import FALCON, hf_logits, random_prompt
 
 
 def _copy(src, dst):
@@ -54,7 +54,7 @@ def _prefill_error(path, model, prompt) -> float:
     return (lm.prefill([s], [prompt])[0] - hf_logits(model, prompt)[-1]).abs().max().item()
 
 
-@pytest.mark.parametrize("arch", ["nemotron_h", "granitemoehybrid", "bamba"])
+@pytest.mark.parametrize("arch", ["nemotron_h", "granitemoehybrid", "bamba", "falcon_h1"])
 def test_in_memory_names_load_the_same(saved, tmp_path, arch):
     """`save_pretrained` writes the published names (NemotronH `backbone.` and one tensor per
     expert, Granite `input_linear`/`output_linear`/`router.layer`); a checkpoint holding
@@ -63,7 +63,7 @@ def test_in_memory_names_load_the_same(saved, tmp_path, arch):
     d = _copy(path, tmp_path / arch)
     f, published = _tensors(d)
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    if arch != "bamba":
+    if arch not in ("bamba", "falcon_h1"):
         assert set(state) != set(published)
     f.unlink()
     save_file(state, str(d / "model.safetensors"))
@@ -135,7 +135,7 @@ def test_unsupported_activation(saved, tmp_path):
         HybridLM.from_pretrained(d)
 
 
-@pytest.mark.parametrize("arch", ["bamba", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["bamba", "nemotron_h", "falcon_h1", "falcon_h1_norm"])
 def test_random_weights_from_a_config(arch):
     from tests.models.hf_zoo import _config
 
@@ -144,3 +144,83 @@ def test_random_weights_from_a_config(arch):
     out = lm.prefill([s], [[1, 2, 3, 4]])
     out = torch.cat([out, lm.decode([s], [5])])
     assert torch.isfinite(out).all() and out.std() > 0
+
+
+def test_falcon_h1_layout(saved):
+    lm = HybridLM.from_pretrained(saved("falcon_h1")[0])
+    cfg = lm.config
+    assert cfg.kinds == ["parallel", "mlp"] * 2
+    # one state index per half, in block order
+    assert [(b, sub.kind, i) for b, sub, i in cfg.state_layers] == [
+        (0, "mamba", 0), (0, "attention", 0), (2, "mamba", 1), (2, "attention", 1)
+    ]
+    assert (lm.pool.n_mamba, lm.pool.n_attn) == (2, 2)
+    assert [m.layer for m in lm._mambas] == [0, 1] and lm.blocks[2].mixer.attention.layer == 1
+    m, a = cfg.blocks[0].mamba, cfg.blocks[0].attention
+    assert (m.gate_norm, m.n_groups, m.proj_bias, m.out_proj_bias) == ("none", 1, True, True)
+    assert lm.blocks[0].mixer.mamba.norm_weight is None
+    assert a.rotary_dim == a.head_dim == 8 and a.qkv_bias and a.out_bias
+    # untied: both multipliers are folded into their weights, nothing is left for run time
+    assert (cfg.embedding_multiplier, cfg.logits_scaling, cfg.tie_embeddings) == (1.0, 1.0, False)
+    for arch, gate_norm, group in (("falcon_h1_norm", "gated", 32), ("falcon_h1_norm_first", "norm_before_gate", 32)):
+        lm = HybridLM.from_pretrained(saved(arch)[0])
+        m = lm.config.blocks[0].mamba
+        assert (m.gate_norm, m.n_groups, m.norm_group_size) == (gate_norm, 2, group)
+    # tied: the shared tensor takes lm_head_multiplier, the embedding the rest at run time
+    lm = HybridLM.from_pretrained(saved("falcon_h1_norm")[0])
+    assert lm.config.tie_embeddings and not hasattr(lm, "lm_head")
+    assert lm.config.embedding_multiplier == pytest.approx(0.9 / 1.8)
+    assert lm.config.blocks[0].attention.rope_theta == 500.0
+
+
+@pytest.mark.parametrize("arch", FALCON)
+def test_every_falcon_multiplier_is_folded(saved, arch):
+    """The zoo's multipliers are all different from 1, and each one matters: leaving any of them out
+    of the weights puts the logits off transformers' (so the parity tests check every fold)."""
+    import dataclasses
+
+    from models.loading import SafetensorsDir, read_config
+
+    path, model = saved(arch)
+    prompt = random_prompt(random.Random(0), 8)
+    ref = hf_logits(model, prompt)[-1]
+    arch_mod, cfg, _ = read_config(path)
+    assert _prefill_error(path, model, prompt) < 1e-4
+    for i, (name, value) in enumerate(cfg.load_scales):
+        values = value if isinstance(value, tuple) else (value,)
+        for j in range(len(values)):
+            if values[j] == 1.0:
+                assert name == "embedding" and cfg.tie_embeddings  # tied: scaled at run time instead
+                continue
+            plain = list(values)
+            plain[j] = 1.0
+            scales = list(cfg.load_scales)
+            scales[i] = (name, tuple(plain) if isinstance(value, tuple) else 1.0)
+            lm = HybridLM(dataclasses.replace(cfg, load_scales=tuple(scales)))
+            lm.load_from(SafetensorsDir(path, arch_mod.checkpoint_key), arch_mod)
+            s = lm.pool.alloc()
+            err = (lm.prefill([s], [prompt])[0] - ref).abs().max().item()
+            assert err > 1e-3, f"{name}[{j}] left out changes nothing ({err:.3g})"
+
+
+def _edited(saved, tmp_path, arch, **fields):
+    d = _copy(saved(arch)[0], tmp_path / "ckpt")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(fields)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), "RoPE type 'linear'"),
+        (dict(hidden_act="gelu"), "activation 'gelu'"),
+        (dict(mamba_n_groups=3), "mamba_n_groups 3 does not divide mamba_n_heads 4"),
+        (dict(mamba_d_ssm=48), "mamba_d_ssm|mamba_d_head|dimensions"),
+        (dict(ssm_multipliers=[1.0, 1.0, 1.0]), "ssm_multipliers has 3 values"),
+    ],
+)
+def test_unsupported_falcon_h1_configs(saved, tmp_path, fields, message):
+    with pytest.raises(CheckpointError, match=message):
+        HybridLM.from_pretrained(_edited(saved, tmp_path, "falcon_h1", **fields))

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from models import HybridLM
-from tests.models.hf_zoo import hf_logits, random_prompt
+from tests.models.hf_zoo import FALCON, hf_logits, random_prompt
 from tests.models.trees import random_tree
 
-ARCHS = ["mamba2", "mamba2_tied", "nemotron_h", "bamba", "granitemoehybrid"]
+ARCHS = ["mamba2", "mamba2_tied", "nemotron_h", "bamba", "granitemoehybrid", *FALCON]
 TOL = 1e-4
 
 
@@ -50,8 +50,8 @@ def test_verify_every_node_then_commit_and_decode(saved, arch):
     path, model = saved(arch)
     lm = HybridLM.from_pretrained(path, max_slots=4, max_len=96)
     rng = random.Random(2)
-    kinds = [("chain", 6), ("star", 7), ("random", 12)]
-    prompts = [random_prompt(rng, n) for n in (7, 12, 4)]
+    kinds = [("chain", 6), ("star", 7), ("random", 12), ("deep", 9)]
+    prompts = [random_prompt(rng, n) for n in (7, 12, 4, 5)]
     slots = [lm.pool.alloc() for _ in prompts]
     lm.prefill(slots, prompts)
     for rnd in range(2):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kernels import ops
 from models import HybridLM
 from models.graphs import GraphRunner
@@ -29,8 +31,9 @@ def _spy(monkeypatch):
     return builds, seen
 
 
-def test_one_build_per_verify_forward(saved, monkeypatch):
-    path, _ = saved("bamba")  # two Mamba2 layers
+@pytest.mark.parametrize("arch", ["bamba", "falcon_h1"])
+def test_one_build_per_verify_forward(saved, monkeypatch, arch):
+    path, _ = saved(arch)  # two Mamba2 layers (FalconH1: the halves of two parallel blocks)
     rng = random.Random(3)
     for graphs in (False, True):
         lm = HybridLM.from_pretrained(path, max_slots=2, max_len=48)

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from models import HybridLM
 from tests.kernels import interpret_compat
 from tests.models.hf_zoo import hf_logits, random_prompt
 from tests.models.trees import random_tree
 
 
-def test_all_modes_on_triton_kernels(saved, monkeypatch):
+@pytest.mark.parametrize("arch", ["nemotron_h", "falcon_h1", "falcon_h1_norm_first"])
+def test_all_modes_on_triton_kernels(saved, monkeypatch, arch):
+    """FalconH1: parallel blocks, and Mamba2 decode through the unfused kernels (no gated norm,
+    and a norm before the gate)."""
     interpret_compat.install()
-    path, model = saved("nemotron_h")
+    path, model = saved(arch)
     lm = HybridLM.from_pretrained(path, max_slots=2, max_len=40)
     monkeypatch.setenv("TREESERVE_KERNELS", "triton")
     rng = random.Random(9)

@@ -38,9 +38,19 @@ WIDE = {
         hidden_size=256, num_attention_heads=8, num_key_value_heads=2, intermediate_size=512, mamba_n_heads=8,
         mamba_n_groups=2, mamba_d_state=64, mamba_chunk_size=64,
     ),
+    # FalconH1: no gated norm (as published; decode through the unfused kernels), and a gated norm by
+    # groups with tied embeddings (the fused decode step); the zoo's multipliers and random biases
+    "falcon_h1": dict(
+        hidden_size=256, num_attention_heads=8, num_key_value_heads=2, intermediate_size=512, mamba_n_heads=8,
+        mamba_d_ssm=512, mamba_n_groups=1, mamba_d_state=64, mamba_chunk_size=64,
+    ),
+    "falcon_h1_norm": dict(
+        hidden_size=256, num_attention_heads=8, num_key_value_heads=2, intermediate_size=512, mamba_n_heads=8,
+        mamba_d_ssm=512, mamba_n_groups=2, mamba_d_state=64, mamba_chunk_size=64,
+    ),
 }
 ARCHS = list(WIDE)
-GRAPH_ARCHS = ["mamba2", "nemotron_h_dense", "bamba"]  # MoE blocks run eagerly
+GRAPH_ARCHS = ["mamba2", "nemotron_h_dense", "bamba", "falcon_h1", "falcon_h1_norm"]  # MoE blocks run eagerly
 
 
 @pytest.fixture(autouse=True)
@@ -201,7 +211,7 @@ def one_sequence(lm, rng, steps=6):
     lm.pool.free(slot)
 
 
-@pytest.mark.parametrize("arch", ["mamba2", "nemotron_h_dense"])
+@pytest.mark.parametrize("arch", ["mamba2", "nemotron_h_dense", "falcon_h1"])
 def test_programmatic_dependent_launch_changes_no_bit(arch, tmp_path_factory, monkeypatch):
     """Kernels launched with PDL start before the previous kernel ends and wait inside. A kernel that
     read or wrote too early would show up as different numbers: graphed bf16 decode, verify and

@@ -210,13 +210,6 @@ class HybridConfig:
                 counts[sub.kind] += 1
         return out
 
-    def state_index(self, block: int, kind: str) -> int:
-        """State index of block `block`'s sublayer of kind "mamba" or "attention"."""
-        for b, sub, i in self.state_layers:
-            if b == block and sub.kind == kind:
-                return i
-        raise KeyError(f"block {block} has no {kind} sublayer")
-
     @property
     def mamba_specs(self) -> list[MambaSpec]:
         """Every Mamba2 mixer (parallel halves included), in state-index order."""

@@ -103,7 +103,7 @@ def knocked_out(lm, op: str) -> Iterator[list[int]]:
         elif op == "gated_norm":
             swap(_swapped(mamba_layer, "gated_rms_norm", _counted(lambda y, z, *a: _blank(z.shape, z), calls)))
         elif op == "decode_step":
-            for name in ("mamba_decode_step", "mamba_decode_step_deferred_norm"):
+            for name in ("mamba_decode_step", "mamba_decode_step_deferred_norm", "mamba_decode_step_gate_only"):
                 deferred = name.endswith("deferred_norm")
 
                 def decode_step(zxbcdt, conv, ssm, *a, deferred=deferred, **k):

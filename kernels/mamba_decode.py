@@ -30,6 +30,10 @@ its own w * g and partial sum of squares, the last program only turns the sums i
 residual add after out_proj applies it (`kernels.norms.add_rms_norm(out_scale=)`). That removes the
 row-wide normalising pass, which one program ran serially after everything else (most of the step's
 time at the Mamba2-2.7B shape).
+
+`mamba_decode_step_gate_only` is the step of a layer with no norm after the gate (FalconH1's
+published checkpoints): out = y * silu(z), rounded once as `ssm_chain_update(z=)` rounds it. Each
+program writes its own channels; the last program only moves the B and C windows on.
 """
 from __future__ import annotations
 
@@ -47,6 +51,10 @@ from kernels.ssm_decode import ssm_chain_update_ref
 # elements of SSM state per program (headdim tile x d_state): small tiles keep many programs in
 # flight, which is what saturates memory for this read-modify-write of the state
 STATE_TILE = 1024
+# what the kernel makes of the gated value y * silu(z) (its GATE argument)
+GATE_NORM = 0  # normalise it by groups in the last program (`mamba_decode_step`)
+GATE_DEFER = 1  # write w * gated and the row's rstd (`mamba_decode_step_deferred_norm`)
+GATE_ONLY = 2  # write it as it is (`mamba_decode_step_gate_only`)
 # channels, and partial sums, per step of the last program's row epilogue (2048 channels would
 # take ~120 registers for the whole kernel instead of ~50, and cost the state update occupancy)
 EPILOGUE_BLOCK = 1024
@@ -100,8 +108,20 @@ def mamba_decode_step_deferred_norm_ref(
     return gated_rms_norm_deferred_ref(y, z, norm_weight, norm_eps, z.dtype)
 
 
-def _gated_inputs_ref(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, D, dt_bias, dt_limit):
-    """The step up to the gated norm: advances both states in place -> (y (B, d_inner), z (B, d_inner))."""
+def mamba_decode_step_gate_only_ref(
+    zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, D, dt_bias, dt_limit, arrivals=None,
+):
+    """PyTorch twin of `mamba_decode_step_gate_only`: the arguments of `mamba_decode_step_ref` less the
+    norm's -> y * silu(z) (B, d_inner) in zxbcdt's dtype (the chain update applies the gate)."""
+    y, _ = _gated_inputs_ref(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, D, dt_bias, dt_limit,
+                             gate=True)
+    return y
+
+
+def _gated_inputs_ref(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, D, dt_bias, dt_limit,
+                      gate: bool = False):
+    """The step up to the gated norm: advances both states in place -> (y (B, d_inner), z (B, d_inner));
+    with `gate`, y is already y * silu(z)."""
     H, P, G, N, W = layout(zxbcdt, ssm_state, conv_weight)
     nb = zxbcdt.shape[0]
     d_inner = H * P
@@ -113,7 +133,7 @@ def _gated_inputs_ref(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv
     x, Bm, Cm = conv_out.split([d_inner, G * N, G * N], dim=-1)
     y = ssm_chain_update_ref(
         ssm_state, slot_idx, x.reshape(nb, 1, H, P), dt[:, None], A, Bm.reshape(nb, 1, G, N),
-        Cm.reshape(nb, 1, G, N), D, dt_bias, dt_limit,
+        Cm.reshape(nb, 1, G, N), D, dt_bias, dt_limit, z=z.reshape(nb, 1, H, P) if gate else None,
     )
     return y.reshape(nb, d_inner), z
 
@@ -192,11 +212,12 @@ def _mamba_step_kernel(
     s_zx, s_cs, s_cd, s_cw, s_w, ss_s, ss_h, ss_p, ss_n, s_out,
     P: tl.constexpr, N: tl.constexpr, W: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     HAS_CONV_BIAS: tl.constexpr, HAS_D: tl.constexpr, EPI: tl.constexpr, PARTS: tl.constexpr,
-    DEFER_NORM: tl.constexpr,
+    GATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """DEFER_NORM: write w * gated to out and the row's rstd to scale_ptr (one norm group), instead
-    of normalising the row in the last program."""
+    """GATE (see GATE_NORM, GATE_DEFER, GATE_ONLY): GATE_DEFER writes w * gated to out and the row's
+    rstd to scale_ptr (one norm group) instead of normalising the row in the last program; GATE_ONLY
+    writes gated to out and reads no norm weight."""
     release_next(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -222,7 +243,8 @@ def _mamba_step_kernel(
     A = tl.load(A_ptr + h).to(tl.float32)
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
     D = tl.load(D_ptr + h).to(tl.float32) if HAS_D else 0.0
-    w_own = tl.load(nw_ptr + cx, mask=p_ok, other=0.0).to(tl.float32)  # norm weight of own channels
+    if GATE == 1:  # norm weight of own channels
+        w_own = tl.load(nw_ptr + cx, mask=p_ok, other=0.0).to(tl.float32)
     st_ptrs = ssm_ptr + slot * ss_s + h * ss_h + offs_p[:, None] * ss_p + offs_n[None, :] * ss_n
     st_mask = p_ok[:, None] & n_ok[None, :]
     state = tl.load(st_ptrs, mask=st_mask, other=0.0)
@@ -244,17 +266,21 @@ def _mamba_step_kernel(
     y = tl.sum(state * Cv[None, :], axis=1)
     if HAS_D:
         y += D * x
-    y = y.to(zx_ptr.dtype.element_ty).to(tl.float32)  # ssm_chain_update's output dtype
+    if GATE != 2:  # ssm_chain_update's output dtype (with the gate, it rounds only the gated value)
+        y = y.to(zx_ptr.dtype.element_ty).to(tl.float32)
 
     # ---- gate; the norm needs the whole group: hand over the gated values and their sum of squares
     z = tl.load(row + cx, mask=p_ok, other=0.0).to(tl.float32)
     gated = tl.where(p_ok, y * silu(z), 0.0)
-    if DEFER_NORM:  # w * gated, rounded where gated_rms_norm_deferred_ref rounds
+    if GATE == 2:
+        tl.store(out_ptr + b64 * s_out + cx, gated.to(out_ptr.dtype.element_ty), mask=p_ok)
+    elif GATE == 1:  # w * gated, rounded where gated_rms_norm_deferred_ref rounds
         g_own = gated.to(zx_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + b64 * s_out + cx, (w_own * g_own).to(out_ptr.dtype.element_ty), mask=p_ok)
     else:
         tl.store(gate_ptr + b64 * DI + cx, gated, mask=p_ok)
-    tl.store(part_ptr + b64 * n_prog + h * N_PT + pt, tl.sum(gated * gated, axis=0))
+    if GATE != 2:
+        tl.store(part_ptr + b64 * n_prog + h * N_PT + pt, tl.sum(gated * gated, axis=0))
     # all of this program's reads and writes are done (barrier) before its arrival is published
     # (release); the last arriver's acquire makes every program's writes visible to it
     tl.debug_barrier()
@@ -268,13 +294,13 @@ def _mamba_step_kernel(
             _shift_window(st, DI + c, ok, new, s_cd, s_cw, W)
         # gated RMSNorm, group by group; programs never straddle groups (group_size % P == 0)
         per_group = group_size // P * N_PT
-        if DEFER_NORM:  # one group: only its scale
+        if GATE == 1:  # one group: only its scale
             ss = tl.zeros((PARTS,), dtype=tl.float32)
             for q0 in range(0, per_group, PARTS):
                 q = q0 + tl.arange(0, PARTS)
                 ss += tl.load(part_ptr + b64 * n_prog + q, mask=q < per_group, other=0.0, cache_modifier=".cg")
             tl.store(scale_ptr + b, tl.rsqrt(tl.sum(ss, axis=0) / group_size + eps))
-        for j in range(0 if DEFER_NORM else n_norm_groups):
+        for j in range(n_norm_groups if GATE == 0 else 0):
             ss = tl.zeros((PARTS,), dtype=tl.float32)
             for q0 in range(0, per_group, PARTS):
                 q = q0 + tl.arange(0, PARTS)
@@ -309,7 +335,7 @@ def mamba_decode_step(
     (padded rows of captured graphs). Needs norm groups of whole heads (`norm_group_size % P == 0`).
     """
     out, _ = _launch(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, D, dt_bias, dt_limit,
-                     norm_weight, norm_group_size, norm_eps, arrivals, defer_norm=False)
+                     norm_weight, norm_group_size, norm_eps, arrivals, GATE_NORM)
     return out
 
 
@@ -320,13 +346,24 @@ def mamba_decode_step_deferred_norm(
     """Triton `mamba_decode_step_deferred_norm`: same contract as its `_ref` twin, same conditions as
     `mamba_decode_step` -> (u (B, d_inner), rstd (B,) fp32)."""
     return _launch(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, D, dt_bias, dt_limit,
-                   norm_weight, None, norm_eps, arrivals, defer_norm=True)
+                   norm_weight, None, norm_eps, arrivals, GATE_DEFER)
+
+
+def mamba_decode_step_gate_only(
+    zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, D, dt_bias, dt_limit, arrivals=None,
+):
+    """Triton `mamba_decode_step_gate_only`: same contract as its `_ref` twin, `arrivals` and slots as
+    in `mamba_decode_step` -> y * silu(z) (B, d_inner) in zxbcdt's dtype."""
+    out, _ = _launch(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, D, dt_bias, dt_limit,
+                     None, None, 0.0, arrivals, GATE_ONLY)
+    return out
 
 
 def _launch(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, D, dt_bias, dt_limit,
-            norm_weight, norm_group_size: int | None, norm_eps: float, arrivals, defer_norm: bool):
-    """Check, allocate and launch -> (out (B, d_inner), rstd (B,) fp32 when `defer_norm`, else None).
-    `norm_group_size` None: one norm group over the whole row (d_inner channels)."""
+            norm_weight, norm_group_size: int | None, norm_eps: float, arrivals, gate: int):
+    """Check, allocate and launch -> (out (B, d_inner), rstd (B,) fp32 for GATE_DEFER, else None).
+    `norm_group_size` None: one norm group over the whole row (d_inner channels); `norm_weight`
+    None with GATE_ONLY."""
     H, P, G, N, W = layout(zxbcdt, ssm_state, conv_weight)
     nb = zxbcdt.shape[0]
     d_inner = H * P
@@ -338,8 +375,9 @@ def _launch(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, 
         raise ValueError(f"norm groups of {norm_group_size} channels must be whole heads of {P} within {d_inner}")
     if W > 1 and conv_state.stride(2) != 1:
         raise ValueError("conv_state must be contiguous along its last axis")
-    out = ssm_common.new_output((nb, d_inner), torch.promote_types(norm_weight.dtype, zxbcdt.dtype), zxbcdt.device)
-    scale = torch.empty(nb, dtype=torch.float32, device=zxbcdt.device) if defer_norm else None
+    out_dtype = zxbcdt.dtype if norm_weight is None else torch.promote_types(norm_weight.dtype, zxbcdt.dtype)
+    out = ssm_common.new_output((nb, d_inner), out_dtype, zxbcdt.device)
+    scale = torch.empty(nb, dtype=torch.float32, device=zxbcdt.device) if gate == GATE_DEFER else None
     if nb == 0:
         return out, scale
     if arrivals is None:
@@ -353,18 +391,19 @@ def _launch(zxbcdt, conv_state, ssm_state, slot_idx, conv_weight, conv_bias, A, 
     n_prog = H * triton.cdiv(P, bp)
     per_group = norm_group_size // P * triton.cdiv(P, bp)
     # the gated values only travel through memory when the last program normalises them
-    gate = out if defer_norm else torch.empty(nb, d_inner, dtype=torch.float32, device=zxbcdt.device)
-    parts = torch.empty(nb, n_prog, dtype=torch.float32, device=zxbcdt.device)
+    gated = torch.empty(nb, d_inner, dtype=torch.float32, device=zxbcdt.device) if gate == GATE_NORM else out
+    parts = torch.empty(nb, n_prog, dtype=torch.float32, device=zxbcdt.device) if gate != GATE_ONLY else out
     lo, hi = limits(dt_limit)
     _mamba_step_kernel[(nb, H, triton.cdiv(P, bp))](
         zxbcdt, conv_state, conv_weight, conv_bias if conv_bias is not None else conv_weight, ssm_state,
         as_int32(slot_idx), A, D if D is not None else A, dt_bias if dt_bias is not None else torch.zeros_like(A),
-        norm_weight.contiguous(), gate, parts, arrivals, out, scale if defer_norm else parts,
+        out if norm_weight is None else norm_weight.contiguous(), gated, parts, arrivals, out,
+        scale if scale is not None else parts,
         H, heads_per_group(H, G), G * N, norm_group_size, d_inner // norm_group_size, lo, hi, float(norm_eps),
         zxbcdt.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2) if W > 1 else 1,
         conv_weight.stride(0), *ssm_state.stride(), out.stride(0),
         P=P, N=N, W=W, BP=bp, BN=bn, HAS_CONV_BIAS=conv_bias is not None, HAS_D=D is not None,
-        EPI=EPILOGUE_BLOCK, PARTS=min(PARTS_BLOCK, pow2(per_group, 1)), DEFER_NORM=defer_norm,
+        EPI=EPILOGUE_BLOCK, PARTS=min(PARTS_BLOCK, pow2(per_group, 1)), GATE=gate,
         **pdl.launch_options(zxbcdt.device), num_warps=4,
     )
     return out, scale

@@ -21,6 +21,7 @@ _HOME = {
     "ssm_chain_update": "kernels.ssm_decode",
     "mamba_decode_step": "kernels.mamba_decode",
     "mamba_decode_step_deferred_norm": "kernels.mamba_decode",
+    "mamba_decode_step_gate_only": "kernels.mamba_decode",
     "ssd_prefill": "kernels.ssd_prefill",
     "write_tree_kv": "kernels.tree_attention",
     "tree_attention": "kernels.tree_attention",
@@ -65,6 +66,7 @@ ssm_state_commit = _dispatcher("ssm_state_commit")
 ssm_chain_update = _dispatcher("ssm_chain_update")
 mamba_decode_step = _dispatcher("mamba_decode_step")
 mamba_decode_step_deferred_norm = _dispatcher("mamba_decode_step_deferred_norm")
+mamba_decode_step_gate_only = _dispatcher("mamba_decode_step_gate_only")
 ssd_prefill = _dispatcher("ssd_prefill")
 write_tree_kv = _dispatcher("write_tree_kv")
 tree_attention = _dispatcher("tree_attention")

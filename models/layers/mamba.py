@@ -40,14 +40,15 @@ class MambaMixer(nn.Module):
         # the fused decode step's per-row arrival counters (left at zero by every launch)
         rows = torch.zeros(MAX_DECODE_ROWS, dtype=torch.int32, device=device)
         self.register_buffer("arrivals", rows, persistent=False)
-        # the fused decode step (kernels/mamba_decode.py) ends in the gated norm; other gate_norm
-        # variants decode through the unfused kernels (tree conv, conv commit, chain update)
-        self.decode_fused = spec.gate_norm == "gated"
+        # the fused decode step (kernels/mamba_decode.py) ends in the gated norm or, without a norm,
+        # in the gate alone; a norm before the gate decodes through the unfused kernels (tree conv,
+        # conv commit, chain update)
+        self.decode_fused = spec.gate_norm in ("gated", "none")
         # a gated norm over the whole row, followed by a bias-free out_proj, is one factor per row
         # that decode leaves to the residual add after out_proj (kernels/mamba_decode.py); a
         # container that adds this output to another (ParallelMixer) turns it off
         self.decode_defers_norm = (
-            self.decode_fused and spec.norm_group_size == spec.d_inner and not spec.out_proj_bias
+            spec.gate_norm == "gated" and spec.norm_group_size == spec.d_inner and not spec.out_proj_bias
         )
 
     def prepare(self) -> None:
@@ -106,15 +107,19 @@ class MambaMixer(nn.Module):
         """h (B, d_model), one token per sequence -> (B, d_model), or RowScaled((B, d_model), (B,)) when
         the gated norm's scale is deferred; advances conv and SSM state.
 
-        Everything between the projections (conv, state updates, SSM, gated norm) is one fused step
-        when the gate meets a gated norm; otherwise the unfused kernels run (`_decode_unfused`)."""
+        Everything between the projections (conv, state updates, SSM, gate and gated norm) is one
+        fused step when the gate meets a gated norm or no norm; otherwise the unfused kernels run
+        (`_decode_unfused`)."""
         s = self.spec
         if not self.decode_fused:
             return self._decode_unfused(h, batch, pool)
-        common = (
+        state = (
             self.in_proj(h), pool.conv_layer(self.layer), pool.ssm_layer(self.layer), batch.slot_idx,
-            self.conv_weight, self.conv_bias, self.A, self.D, self.dt_bias, s.dt_limit, self.norm_weight,
+            self.conv_weight, self.conv_bias, self.A, self.D, self.dt_bias, s.dt_limit,
         )
+        if s.gate_norm == "none":
+            return self.out_proj(ops.mamba_decode_step_gate_only(*state, arrivals=self.arrivals))
+        common = (*state, self.norm_weight)
         if self.decode_defers_norm:
             u, rstd = ops.mamba_decode_step_deferred_norm(*common, s.norm_eps, arrivals=self.arrivals)
             return RowScaled(self.out_proj(u), rstd)
@@ -122,9 +127,9 @@ class MambaMixer(nn.Module):
         return self.out_proj(g)
 
     def _decode_unfused(self, h: torch.Tensor, batch: Packed, pool: StatePool) -> torch.Tensor:
-        """Decode as a one-node tree per sequence: tree conv from the conv state, the conv state
-        moved on by the new input, one chain step of the SSM state (which applies silu(z) itself
-        when there is no norm), then the gate/norm and out_proj."""
+        """Decode as a one-node tree per sequence (a norm before the gate): tree conv from the conv
+        state, the conv state moved on by the new input, one chain step of the SSM state, then the
+        norm, the gate and out_proj."""
         s = self.spec
         B = h.shape[0]
         _, z, xbc, dt = self._project(h)
@@ -136,13 +141,10 @@ class MambaMixer(nn.Module):
         # row b is the one step of sequence b (one node per tree: cu_seqlens[b] == b)
         ops.conv_state_commit(conv, batch.slot_idx, xbc, batch.cu_seqlens[:-1, None], torch.ones_like(batch.slot_idx))
         x, Bm, Cm = s.split_conv(conv_out)
-        gate = z.unflatten(-1, (s.n_heads, s.head_dim))[:, None] if s.gate_norm == "none" else None
         y = ops.ssm_chain_update(
             pool.ssm_layer(self.layer), batch.slot_idx, x[:, None], dt[:, None], self.A, Bm[:, None],
-            Cm[:, None], self.D, self.dt_bias, s.dt_limit, z=gate,
+            Cm[:, None], self.D, self.dt_bias, s.dt_limit,
         ).reshape(B, s.d_inner)
-        if s.gate_norm == "none":
-            return self.out_proj(y)
         return self._finish(y, z)
 
     def verify(self, h: torch.Tensor, batch: Packed, pool: StatePool, stash) -> torch.Tensor:

@@ -18,11 +18,13 @@ from kernels.mamba_decode import (
     mamba_decode_step,
     mamba_decode_step_deferred_norm,
     mamba_decode_step_deferred_norm_ref,
+    mamba_decode_step_gate_only,
+    mamba_decode_step_gate_only_ref,
     mamba_decode_step_ref,
 )
 from tests.gpu.marks import compiled_triton, gpu  # noqa: F401 (fixture)
 from tests.kernels.ssm_oracle import assert_close, on, untouched_slots
-from tests.kernels.test_mamba_decode import deferred_args, oracle, step_case
+from tests.kernels.test_mamba_decode import deferred_args, gate_only_args, oracle, step_case
 
 # (H, P, N, G, norm groups): Mamba2-2.7B; the 8B hybrid of bench.model_runtime (Bamba, ungrouped
 # norm); a NemotronH-style layer whose gated norm works by groups
@@ -30,6 +32,7 @@ SHAPES = {
     "mamba2-2.7b": (80, 64, 128, 1, 1),
     "hybrid-8b": (32, 128, 128, 8, 1),
     "grouped-norm": (64, 64, 128, 8, 8),
+    "falcon-h1": (48, 64, 256, 1, 1),  # bench.model_runtime's FalconH1 (d_state 256)
 }
 BF16, BF16_TOL, STATE_TOL = torch.bfloat16, 1e-2, 1e-3
 DEV = "cuda"
@@ -91,7 +94,7 @@ def test_fused_step_matches_twin(shape, nb):
     keep = untouched_slots(args["ssm_state"], slots)
     assert torch.equal(a["ssm_state"][keep], args["ssm_state"][keep]), "touched other slots"
     if nb == 1:  # the float64 oracle walks rows in Python: one is enough
-        want_out, want_conv, want_ssm = oracle(args)
+        want_out, want_conv, want_ssm, _ = oracle(args)
         update = update_size(args)[slots]
         out = mamba_decode_step(**args, arrivals=arrivals)
         assert_close(out, want_out, BF16_TOL, "out vs oracle")
@@ -151,6 +154,31 @@ def test_deferred_norm_step(shape, nb):
         # relative) at a dominant element moves the sum by up to 2^-6 and rstd by up to 2^-7
         torch.testing.assert_close(rstd, rstd_ref, rtol=8e-3, atol=0)
         assert_close(u.float() * rstd[:, None], out.float(), BF16_TOL, f"step {step}: u * rstd vs normalised")
+        args["zxbcdt"] = torch.randn_like(args["zxbcdt"], dtype=torch.float32).to(BF16)
+
+
+@gpu
+@pytest.mark.parametrize("shape", ["mamba2-2.7b", "falcon-h1"])
+@pytest.mark.parametrize("nb", [1, 16, 128])
+def test_gate_only_step(shape, nb):
+    """The step without a norm (FalconH1): y * silu(z) equal to its twin, the same states as the
+    normalising step; repeated steps at large batch for the last program's window hand-off."""
+    args = case(shape, nb, seed=nb + 11)
+    arrivals = torch.zeros(nb, dtype=torch.int32, device=DEV)
+    for step in range(STEPS if nb == NB_LARGE else 3):
+        a = {**args, "conv_state": args["conv_state"].clone(), "ssm_state": args["ssm_state"].clone()}
+        r = {**args, "conv_state": args["conv_state"].clone(), "ssm_state": args["ssm_state"].clone()}
+        update = update_size(args)
+        mamba_decode_step(**args, arrivals=arrivals)  # advances args' pools
+        out = mamba_decode_step_gate_only(**gate_only_args(a), arrivals=arrivals)
+        ref = mamba_decode_step_gate_only_ref(**gate_only_args(r))
+        assert not arrivals.any(), f"step {step}: counters"
+        assert out.dtype == BF16
+        assert torch.equal(a["conv_state"], args["conv_state"]), f"step {step}: conv state"
+        assert torch.equal(a["ssm_state"], args["ssm_state"]), f"step {step}: ssm state vs normalising step"
+        assert torch.equal(r["conv_state"], a["conv_state"]), f"step {step}: twin conv state"
+        assert_state_close(a["ssm_state"], r["ssm_state"], update, f"step {step}: ssm state vs twin")
+        assert_close(out, ref, BF16_TOL, f"step {step}: out")
         args["zxbcdt"] = torch.randn_like(args["zxbcdt"], dtype=torch.float32).to(BF16)
 
 

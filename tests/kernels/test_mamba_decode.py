@@ -13,6 +13,8 @@ from kernels.mamba_decode import (
     mamba_decode_step,
     mamba_decode_step_deferred_norm,
     mamba_decode_step_deferred_norm_ref,
+    mamba_decode_step_gate_only,
+    mamba_decode_step_gate_only_ref,
     mamba_decode_step_ref,
 )
 from tests.kernels.ssm_oracle import LIMIT, Mamba2Step, assert_close, layer_weights, nan_output, rand, untouched_slots
@@ -47,13 +49,13 @@ def step_case(nb, H, P, N, G, W, seed, dtype=F32, slots=6, conv_bias=True, with_
 
 
 def oracle(args):
-    """(out (B, d_inner), new conv states (B, conv_dim, W-1), new SSM states (B, H, P, N)) in float64,
-    straight from the definitions (no rounding anywhere)."""
+    """(out (B, d_inner), new conv states (B, conv_dim, W-1), new SSM states (B, H, P, N), the gated
+    value y * silu(z) (B, d_inner)) in float64, straight from the definitions (no rounding anywhere)."""
     _, H, P, N = args["ssm_state"].shape
     d_inner = H * P
     conv_dim, W = args["conv_weight"].shape
     step = Mamba2Step(args["A"], args["D"], args["dt_bias"], args["dt_limit"])
-    outs, convs, ssms = [], [], []
+    outs, convs, ssms, gates = [], [], [], []
     for b, slot in enumerate(args["slot_idx"].tolist()):
         z, xbc, dt = args["zxbcdt"][b].double().split([d_inner, conv_dim, H])
         window = torch.cat([args["conv_state"][slot].double(), xbc[:, None]], dim=1)  # (conv_dim, W)
@@ -62,12 +64,13 @@ def oracle(args):
             conv = conv + args["conv_bias"].double()
         x, B, C = F.silu(conv).split([d_inner, (conv_dim - d_inner) // 2, (conv_dim - d_inner) // 2])
         h, y = step(args["ssm_state"][slot].double(), x.view(H, P), dt, B.view(-1, N), C.view(-1, N))
-        g = (y.reshape(-1) * F.silu(z)).view(-1, args["norm_group_size"])
+        gates.append(y.reshape(-1) * F.silu(z))
+        g = gates[-1].view(-1, args["norm_group_size"])
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + args["norm_eps"])
         outs.append(g.reshape(-1) * args["norm_weight"].double())
         convs.append(window[:, 1:])
         ssms.append(h)
-    return torch.stack(outs), torch.stack(convs), torch.stack(ssms)
+    return torch.stack(outs), torch.stack(convs), torch.stack(ssms), torch.stack(gates)
 
 
 def run(fn, args, **kw):
@@ -83,7 +86,7 @@ def check(args, dtype=F32):
     slots = args["slot_idx"].long()
     keep = untouched_slots(args["ssm_state"], slots)
     arrivals = torch.zeros(args["zxbcdt"].shape[0] + 3, dtype=torch.int32)
-    want_out, want_conv, want_ssm = oracle(args)
+    want_out, want_conv, want_ssm, want_gated = oracle(args)
     got = run(mamba_decode_step, args, arrivals=arrivals)
     ref = run(mamba_decode_step_ref, args)
     assert not arrivals.any(), "arrival counters must return to zero"
@@ -98,6 +101,7 @@ def check(args, dtype=F32):
     assert_close(got[2][slots], ref[2][slots], TWIN_TOL[dtype], "triton vs twin ssm state")
     if args["norm_group_size"] == args["ssm_state"].shape[1] * args["ssm_state"].shape[2]:
         check_deferred(args, dtype, want_out, got)
+    check_gate_only(args, dtype, want_gated, got, ref)
     return got, ref
 
 
@@ -120,6 +124,25 @@ def check_deferred(args, dtype, want_out, fused):
     assert_close(rstd, rstd_ref, TWIN_TOL[F32], "triton vs twin rstd")
     assert torch.equal(conv, fused[1]) and torch.equal(ssm, fused[2]), "deferred step moved the states differently"
     assert torch.equal(conv_ref, conv)
+
+
+def gate_only_args(args):
+    return {k: v for k, v in args.items() if not k.startswith("norm_")}
+
+
+def check_gate_only(args, dtype, want_gated, fused, fused_ref):
+    """The step without a norm (y * silu(z)): Triton and twin against the oracle and each other, in the
+    activation dtype, and both states advanced exactly as the normalising step advances them."""
+    arrivals = torch.zeros(args["zxbcdt"].shape[0], dtype=torch.int32)
+    got, conv, ssm = run(mamba_decode_step_gate_only, gate_only_args(args), arrivals=arrivals)
+    ref, conv_ref, ssm_ref = run(mamba_decode_step_gate_only_ref, gate_only_args(args))
+    assert not arrivals.any(), "arrival counters must return to zero"
+    assert got.dtype == ref.dtype == dtype
+    for out, name in ((got, "triton"), (ref, "twin")):
+        assert_close(out, want_gated, TOL[dtype], f"{name} gate-only out vs oracle")
+    assert_close(got, ref, TWIN_TOL[dtype], "triton vs twin gate-only out")
+    assert torch.equal(conv, fused[1]) and torch.equal(ssm, fused[2]), "gate-only step moved the states differently"
+    assert torch.equal(conv_ref, fused_ref[1]) and torch.equal(ssm_ref, fused_ref[2])
 
 
 # (nb, H, P, N, G, W): several tiles per head (N 128 -> 8-row tiles), a headdim that is not a power
@@ -232,10 +255,12 @@ def test_refuses_what_it_cannot_do():
         mamba_decode_step(**dict(args, zxbcdt=args["zxbcdt"][:, 1:]))
     with pytest.raises(ValueError, match="arrivals"):
         mamba_decode_step_deferred_norm(**deferred_args(args), arrivals=torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="arrivals"):
+        mamba_decode_step_gate_only(**gate_only_args(args), arrivals=torch.zeros(1, dtype=torch.int32))
 
 
 def test_compiles_for_sm90():
-    """At the GPU shapes' constexprs (headdim 64 / 128, d_state 128, width 4; bf16 and fp32), for an
+    """At the GPU shapes' constexprs (headdim 64 / 128, d_state 128 / 256, width 4; bf16 and fp32), for an
     H100 through ptxas, without register spills. Heads are not constexpr: two suffice to record."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     from tests.kernels.ssm_oracle import assert_compiles_for_sm90
@@ -246,5 +271,7 @@ def test_compiles_for_sm90():
         mamba_decode_step(**step_case(1, 2, 64, 128, 1, 4, seed=13, dtype=torch.bfloat16, conv_bias=False))
         for P, dtype in ((64, torch.bfloat16), (64, F32)):
             mamba_decode_step_deferred_norm(**deferred_args(step_case(1, 2, P, 128, 1, 4, seed=13, dtype=dtype)))
+        for N in (128, 256):  # FalconH1: no norm, d_state up to 256
+            mamba_decode_step_gate_only(**gate_only_args(step_case(1, 2, 64, N, 1, 4, seed=13, dtype=torch.bfloat16)))
 
     assert_compiles_for_sm90([mamba_decode._mamba_step_kernel], run_all)

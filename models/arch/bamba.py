@@ -8,7 +8,7 @@ conv activation taken from `hidden_act`.
 from __future__ import annotations
 
 from models.arch import common
-from models.config import AttentionSpec, HybridConfig, MambaSpec, MLPSpec
+from models.config import HybridConfig, MambaSpec, MLPSpec
 from models.errors import CheckpointError
 
 MODEL_TYPES = ("bamba",)
@@ -51,17 +51,7 @@ def mamba_spec(hf, path: str) -> MambaSpec:
 def normalise(hf, path: str) -> HybridConfig:
     common.require_silu(hf.hidden_act, "Bamba", path)
     mamba = mamba_spec(hf, path)
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    rotary_dim, theta = _rope(hf, head_dim, path)
-    attn = AttentionSpec(
-        hf.num_attention_heads,
-        hf.num_key_value_heads,
-        head_dim,
-        qkv_bias=bool(hf.attention_bias),
-        out_bias=bool(hf.attention_bias),
-        rotary_dim=rotary_dim,
-        rope_theta=theta,
-    )
+    attn = common.attention_spec(hf, *_rope(hf, common.head_dim(hf), path))
     mlp = MLPSpec(hf.intermediate_size, hf.hidden_act, gated=True, bias=bool(hf.mlp_bias))
     blocks = []
     for kind in hf.layers_block_type:

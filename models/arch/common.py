@@ -79,6 +79,20 @@ def _multiply(a, b):
 WeightMap = dict[str, Source]
 
 
+def head_dim(hf) -> int:
+    """Attention head width: the config's `head_dim`, else hidden_size / num_attention_heads."""
+    return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+
+
+def attention_spec(hf, rotary_dim: int = 0, rope_theta: float = 10000.0, bias: bool | None = None,
+                   scale: float | None = None) -> AttentionSpec:
+    """AttentionSpec from transformers' usual fields (num_attention_heads, num_key_value_heads, head_dim);
+    `bias` None reads `attention_bias` (on the qkv and output projections alike)."""
+    bias = bool(hf.attention_bias) if bias is None else bias
+    return AttentionSpec(hf.num_attention_heads, hf.num_key_value_heads, head_dim(hf), qkv_bias=bias, out_bias=bias,
+                         rotary_dim=rotary_dim, rope_theta=rope_theta, scale=scale)
+
+
 def require_silu(act: str, what: str, path: str) -> None:
     if act != "silu":
         raise CheckpointError(f"{what} activation {act!r} is not supported (only 'silu')", path=path)

@@ -30,7 +30,7 @@ transformers ignores them (every layer has both halves and the MLP).
 from __future__ import annotations
 
 from models.arch import common
-from models.config import AttentionSpec, HybridConfig, MambaSpec, MLPSpec, ParallelSpec
+from models.config import HybridConfig, MambaSpec, MLPSpec, ParallelSpec
 from models.errors import CheckpointError
 
 MODEL_TYPES = ("falcon_h1",)
@@ -96,16 +96,7 @@ def normalise(hf, path: str) -> HybridConfig:
         if kind != "hybrid":
             raise CheckpointError(f"layer {i} has unsupported block type {kind!r} (FalconH1 layers are 'hybrid')", path=path)
     mamba = _mamba(hf, path)
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    attn = AttentionSpec(
-        hf.num_attention_heads,
-        hf.num_key_value_heads,
-        head_dim,
-        qkv_bias=bool(hf.attention_bias),
-        out_bias=bool(hf.attention_bias),
-        rotary_dim=head_dim,
-        rope_theta=_rope(hf, path),
-    )
+    attn = common.attention_spec(hf, common.head_dim(hf), _rope(hf, path))
     mlp = MLPSpec(hf.intermediate_size, hf.hidden_act, gated=True, bias=bool(hf.mlp_bias))
     blocks = [ParallelSpec(mamba, attn), mlp] * hf.num_hidden_layers
     tied = bool(hf.tie_word_embeddings)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from models.arch import common
 from models.arch.bamba import _rope, mamba_spec
-from models.config import AttentionSpec, HybridConfig, MambaSpec, MLPSpec, MoESpec
+from models.config import HybridConfig, MambaSpec, MLPSpec, MoESpec
 
 MODEL_TYPES = ("granitemoehybrid",)
 
@@ -20,18 +20,8 @@ MODEL_TYPES = ("granitemoehybrid",)
 def normalise(hf, path: str) -> HybridConfig:
     common.require_silu(hf.hidden_act, "GraniteMoeHybrid", path)
     mamba = mamba_spec(hf, path)
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    rotary_dim, theta = _rope(hf, head_dim, path) if hf.position_embedding_type == "rope" else (0, 10000.0)
-    attn = AttentionSpec(
-        hf.num_attention_heads,
-        hf.num_key_value_heads,
-        head_dim,
-        qkv_bias=bool(hf.attention_bias),
-        out_bias=bool(hf.attention_bias),
-        rotary_dim=rotary_dim,
-        rope_theta=theta,
-        scale=float(hf.attention_multiplier),
-    )
+    rotary_dim, theta = _rope(hf, common.head_dim(hf), path) if hf.position_embedding_type == "rope" else (0, 10000.0)
+    attn = common.attention_spec(hf, rotary_dim, theta, scale=float(hf.attention_multiplier))
     if hf.num_local_experts > 0:
         ffn = MoESpec(
             n_experts=hf.num_local_experts,

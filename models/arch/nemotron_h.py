@@ -36,8 +36,7 @@ def _mamba(hf, path: str) -> MambaSpec:
 
 
 def _attention(hf) -> AttentionSpec:
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    return AttentionSpec(hf.num_attention_heads, hf.num_key_value_heads, head_dim, qkv_bias=False, out_bias=False)
+    return common.attention_spec(hf, bias=False)
 
 
 def _moe(hf) -> MoESpec:

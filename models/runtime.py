@@ -19,7 +19,7 @@ from torch import nn
 
 from models import batch as packing
 from models.batch import Packed
-from models.config import AttentionSpec, HybridConfig, MambaSpec, MLPSpec, MoESpec, ParallelSpec
+from models.config import AttentionSpec, HybridConfig, MambaSpec, MLPSpec, MoESpec, ParallelSpec, stateful_sublayers
 from models.errors import CheckpointError
 from models.layers.attention import Attention
 from models.layers.mamba import MambaMixer
@@ -65,7 +65,7 @@ class Block(nn.Module):
             self.mixer = MoE(spec, d_model, dtype, device)
         else:
             raise TypeError(spec)
-        self.stateful = isinstance(spec, (MambaSpec, AttentionSpec, ParallelSpec))
+        self.stateful = bool(stateful_sublayers(spec))
 
 
 class HybridLM(nn.Module):

@@ -40,10 +40,6 @@ class MambaMixer(nn.Module):
         # the fused decode step's per-row arrival counters (left at zero by every launch)
         rows = torch.zeros(MAX_DECODE_ROWS, dtype=torch.int32, device=device)
         self.register_buffer("arrivals", rows, persistent=False)
-        # the fused decode step (kernels/mamba_decode.py) ends in the gated norm or, without a norm,
-        # in the gate alone; a norm before the gate decodes through the unfused kernels (tree conv,
-        # conv commit, chain update)
-        self.decode_fused = spec.gate_norm in ("gated", "none")
         # a gated norm over the whole row, followed by a bias-free out_proj, is one factor per row
         # that decode leaves to the residual add after out_proj (kernels/mamba_decode.py); a
         # container that adds this output to another (ParallelMixer) turns it off
@@ -108,10 +104,10 @@ class MambaMixer(nn.Module):
         the gated norm's scale is deferred; advances conv and SSM state.
 
         Everything between the projections (conv, state updates, SSM, gate and gated norm) is one
-        fused step when the gate meets a gated norm or no norm; otherwise the unfused kernels run
-        (`_decode_unfused`)."""
+        fused step (kernels/mamba_decode.py) when the gate meets a gated norm or no norm; a norm
+        before the gate runs the unfused kernels (`_decode_unfused`)."""
         s = self.spec
-        if not self.decode_fused:
+        if s.gate_norm == "norm_before_gate":
             return self._decode_unfused(h, batch, pool)
         state = (
             self.in_proj(h), pool.conv_layer(self.layer), pool.ssm_layer(self.layer), batch.slot_idx,

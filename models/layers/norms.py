@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 
 from kernels import ops
+from kernels.ssm_common import silu_gate
 
 
 class RowScaled(NamedTuple):
@@ -39,7 +40,7 @@ def gated_rms_norm(
 
 def silu_gated(y: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """y * silu(z) in fp32, rounded once to out_dtype (a Mamba2 gate without a norm: FalconH1)."""
-    return (y.float() * torch.nn.functional.silu(z.float())).to(out_dtype)
+    return silu_gate(y.float(), z).to(out_dtype)
 
 
 def norm_before_gate(

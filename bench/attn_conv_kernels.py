@@ -119,29 +119,31 @@ def bench_conv(tab: Table, D: int, W: int = 4):
     S = 16
     weight = torch.randn(D, W, generator=gen, device=DEV).to(BF)
     bias = torch.randn(D, generator=gen, device=DEV).to(BF)
-    state = torch.randn(S, D, W - 1, generator=gen, device=DEV).to(BF)
+    state = torch.randn(S, D, W, generator=gen, device=DEV).to(BF)  # conv rings
     for batch in (1, 16):
         slots = torch.arange(batch, dtype=torch.int32, device=DEV)
+        lens = torch.full((batch,), 130, dtype=torch.int32, device=DEV)
         for nodes in (1, 16, 64):
             parents, cu, max_nodes, _ = _trees(batch, nodes, nodes)
             T = int(cu[-1])
             xbc = torch.randn(T, D, generator=gen, device=DEV).to(BF)
             out = torch.empty_like(xbc)
-            us, g = time_us(lambda: ct.tree_conv1d(xbc, weight, bias, state, parents, cu, slots, max_nodes, out=out))
+            us, g = time_us(lambda: ct.tree_conv1d(xbc, weight, bias, state, parents, cu, slots, lens, max_nodes,
+                                                   out=out))
             nbytes = 2 * T * D * e + D * (W + 1) * e + batch * D * (W - 1) * e
             tab.add("tree_conv1d", dict(D=D, B=batch, N=nodes), us, nbytes, g)
         K = 8
         xbc_rows = torch.randn(batch * K, D, generator=gen, device=DEV).to(BF)  # a verify's stash rows
         rows = torch.arange(batch * K, device=DEV).view(batch, K)
         path_len = torch.full((batch,), 5, dtype=torch.int32, device=DEV)
-        us, g = time_us(lambda: ct.conv_state_commit(state, slots, xbc_rows, rows, path_len))
-        nbytes = batch * D * (W - 1) * e * 3  # read the last W-1 path rows, read + write the state
+        us, g = time_us(lambda: ct.conv_state_commit(state, slots, xbc_rows, rows, path_len, lens))
+        nbytes = batch * D * 4 * e * 2  # read the last min(5, W) path rows, write them into the ring
         tab.add("conv_state_commit", dict(D=D, B=batch, K=K), us, nbytes, g)
     L = 2048
     x = torch.randn(L, D, generator=gen, device=DEV).to(BF)
-    us, g = time_us(lambda: ct.conv1d_prefill(x, weight, bias, state[0]))
-    tab.add("conv1d_prefill", dict(D=D, L=L), us, 2 * L * D * e + D * (W + 1 + 2 * (W - 1)) * e, g)
-    us, g = time_us(lambda: ct.conv1d_prefill_ref(x, weight, bias, state[0]))
+    us, g = time_us(lambda: ct.conv1d_prefill(x, weight, bias, state[0], 130))
+    tab.add("conv1d_prefill", dict(D=D, L=L), us, 2 * L * D * e + D * (W + 1 + 2 * W) * e, g)
+    us, g = time_us(lambda: ct.conv1d_prefill_ref(x, weight, bias, state[0], 130))
     tab.add("conv1d_prefill_ref", dict(D=D, L=L), us, 2 * L * D * e, g)
 
 

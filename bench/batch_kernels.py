@@ -66,19 +66,20 @@ def bench_shape(shape: str, batches, timer: Timer, rep: Report, sweep: bool, see
         parents = torch.tensor([p for _ in range(nb) for p in bushy_tree(NODES, rng)], dtype=torch.int32, device=DEV)
         cu = torch.arange(0, T + 1, NODES, dtype=torch.int32, device=DEV)
         slots = torch.arange(nb, dtype=torch.int32, device=DEV)
+        lens = torch.full((nb,), 130, dtype=torch.int32, device=DEV)
 
         # tree conv writing the stash, as a verify runs it: xbc | dt in, kept raw, and the output
         # written into the stash rows of its layer
         xbc_dt = randn(gen, T, conv_dim + H)
         weight, bias = randn(gen, conv_dim, W), randn(gen, conv_dim)
-        conv_state = randn(gen, nb, conv_dim, W - 1)
+        conv_state = randn(gen, nb, conv_dim, W)  # rings; a conv reads W-1 of the W columns
         out = torch.empty(T, 2, conv_dim, dtype=xbc_dt.dtype, device=DEV)[:, 1]
         raw = torch.empty(T, 2, conv_dim + H, dtype=xbc_dt.dtype, device=DEV)[:, 1]
 
         def conv(**kw):
-            tree_conv1d(xbc_dt, weight, bias, conv_state, parents, cu, slots, NODES, out=out, stash=raw, **kw)
+            tree_conv1d(xbc_dt, weight, bias, conv_state, parents, cu, slots, lens, NODES, out=out, stash=raw, **kw)
 
-        nbytes = 2 * (2 * xbc_dt.numel() + out.numel() + conv_state.numel())
+        nbytes = 2 * (2 * xbc_dt.numel() + out.numel() + conv_state.numel() * (W - 1) // W)
         us = timer(conv) if "conv" in kernels else None
         if us is not None:
             rep.add(shape, "tree_conv1d", nb, NODES, us, nbytes)
@@ -140,9 +141,10 @@ def bench_shape(shape: str, batches, timer: Timer, rep: Report, sweep: bool, see
             rep.add(shape, f"commit p{bp} w{warps}", nb, PATH, cfg / layers, nbytes / layers,
                     x_default=round(cfg / us, 3))
 
-        cstate = randn(gen, nb, layers, conv_dim, W - 1)
-        nbytes = 2 * cstate.numel() * 2 + accepted * layers * conv_dim * 2
-        us = timer(lambda: conv_state_commit(cstate, slots, xbc, rows, plen))
+        cstate = randn(gen, nb, layers, conv_dim, W)
+        # the last min(k, W) accepted inputs read from the stash and written into the rings
+        nbytes = 2 * 2 * sum(min(int(k), W) for k in plen.tolist()) * layers * conv_dim
+        us = timer(lambda: conv_state_commit(cstate, slots, xbc, rows, plen, lens))
         rep.add(shape, "conv_state_commit", nb, PATH, us / layers, nbytes / layers,
                 note=f"one launch over {layers} layers, per layer")
 

@@ -37,6 +37,7 @@ import torch
 import kernels.ops as kernel_ops
 import models.layers.mamba as mamba_layer
 import models.runtime as runtime
+from kernels.norms import SumOfSquares
 from models.layers.attention import Attention
 from models.layers.mamba import MambaMixer
 from models.layers.mlp import MLP, MoE
@@ -109,7 +110,8 @@ def knocked_out(lm, op: str) -> Iterator[list[int]]:
                 def decode_step(zxbcdt, conv, ssm, *a, deferred=deferred, **k):
                     rows, d_inner = zxbcdt.shape[0], ssm.shape[1] * ssm.shape[2]
                     y = _blank((rows, d_inner), zxbcdt)
-                    return (y, _blank((rows,), zxbcdt, torch.float32)) if deferred else y
+                    sums = SumOfSquares(_blank((rows, 1), zxbcdt, torch.float32), d_inner, 1e-5)
+                    return (y, sums) if deferred else y
 
                 swap(_swapped(kernel_ops, name, _counted(decode_step, calls)))
         elif op == "add_norm":

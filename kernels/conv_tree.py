@@ -1,8 +1,16 @@
 """Causal depthwise convolution (width W <= 4) + bias + SiLU over token trees, and its state commit.
 
 Node i's window is the last W raw inputs along its root-to-i path; when the path is shorter than W
-the window is topped up from the committed conv state `conv_state[slot] (D, W-1)`, oldest column
-first. For a chain this is the ordinary causal conv continued from the state.
+the window is topped up from the committed conv state. For a chain this is the ordinary causal conv
+continued from the state.
+
+The conv state of a slot is a ring of its last W raw inputs, `conv_state[slot] (D, W)`: the input at
+position p (0-based, in the sequence) sits in column p mod W, and positions before the first token
+read as zeros. A slot with committed length n thus holds positions n-W .. n-1, and the next token's
+column (n mod W) holds the one input no conv reads again. Every kernel that reads or moves the state
+takes n (`cache_lens`). Moving the state on is then a write of the new inputs into their own
+columns: nothing shifts, so no program has to wait until every other one has read the old window
+(which the fused decode step, kernels/mamba_decode.py, would otherwise need).
 
 Weight layout is the Mamba2 one with the singleton axis dropped: `weight (D, W)`, `weight[:, W-1]`
 multiplies the newest input (the node itself).
@@ -31,12 +39,22 @@ def _packed_tree_ids(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor
     return tree, cu_seqlens[:-1].long()[tree]
 
 
-def tree_conv1d_ref(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, max_nodes, *, out=None,
-                    stash=None):
+def conv_window(ring: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """The committed window in time order: ring (B, ..., D, W) of slots with committed lengths lens
+    (B,) -> (B, ..., D, W-1), column j holding position n-(W-1)+j (the newest last)."""
+    W = ring.shape[-1]
+    cols = (lens.long()[:, None] + 1 + torch.arange(W - 1, device=ring.device)[None, :]) % W  # (B, W-1)
+    cols = cols.view(cols.shape[0], *([1] * (ring.dim() - 2)), W - 1).expand(*ring.shape[:-1], W - 1)
+    return torch.gather(ring, ring.dim() - 1, cols)
+
+
+def tree_conv1d_ref(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, cache_lens, max_nodes, *,
+                    out=None, stash=None):
     """Tree causal conv + SiLU.
 
-    xbc (T, D), weight (D, W), bias (D,) or None, conv_state (S, D, W-1), parents (T,) int32 local,
-    cu_seqlens (B+1,) int32, slot_idx (B,) int32 -> (T, D) in xbc's dtype (fp32 accumulation).
+    xbc (T, D), weight (D, W), bias (D,) or None, conv_state (S, D, W) rings, parents (T,) int32 local,
+    cu_seqlens (B+1,) int32, slot_idx (B,) int32, cache_lens (B,) int32 committed lengths -> (T, D)
+    in xbc's dtype (fp32 accumulation).
     `out (T, D)` (channels contiguous, rows may be strided) receives the result when given.
 
     `stash (T, D + E)` keeps the raw input as a side output (what a commit of the conv state
@@ -47,13 +65,14 @@ def tree_conv1d_ref(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx
     if stash is not None:
         _check_stash(xbc, weight, stash)
         y = tree_conv1d_ref(xbc[:, : weight.shape[0]], weight, bias, conv_state, parents, cu_seqlens, slot_idx,
-                            max_nodes, out=out)
+                            cache_lens, max_nodes, out=out)
         stash.copy_(xbc)
         return y
     T, D = xbc.shape
     W = weight.shape[1]
     tree, start = _packed_tree_ids(cu_seqlens, T)
     slot = slot_idx.long()[tree]
+    n = cache_lens.long()[tree]
     x32 = xbc.float()
     acc = torch.zeros(T, D, dtype=torch.float32, device=xbc.device)
     cur = torch.arange(T, device=xbc.device) - start  # local node index on the walk, -1 past the root
@@ -63,8 +82,7 @@ def tree_conv1d_ref(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx
         on_path = cur >= 0
         beyond = beyond + (~on_path).long()
         row = torch.where(on_path, start + cur, torch.zeros_like(cur))
-        col = (W - 1 - beyond).clamp(min=0)
-        from_state = conv_state[slot, :, col.clamp(max=max(W - 2, 0))].float() if W > 1 else x32[row]
+        from_state = conv_state[slot, :, (n - beyond) % W].float()  # position n - beyond
         val = torch.where(on_path[:, None], x32[row], from_state)
         acc += val * weight[:, W - 1 - s].float()[None, :]
         cur = torch.where(on_path, parents_l[row], cur)
@@ -84,44 +102,54 @@ def _check_stash(xbc, weight, stash) -> None:
 
 
 def _layered(conv_state, xbc):
-    """Single-layer commit arguments (state (S, D, W-1)) with a layer axis of 1 added; layered ones as they are."""
+    """Single-layer commit arguments (state (S, D, W)) with a layer axis of 1 added; layered ones as they are."""
     return (conv_state, xbc) if conv_state.dim() == 4 else (conv_state.unsqueeze(1), xbc.unsqueeze(1))
 
 
-def conv_state_commit_ref(conv_state, slot_idx, xbc, rows, path_len):
-    """In place: conv_state[slot_idx[b]] = last W-1 columns of [conv_state[slot] | xbc[rows[b, :path_len[b]]]^T].
+def conv_state_commit_ref(conv_state, slot_idx, xbc, rows, path_len, cache_lens):
+    """In place: slot b's ring takes the raw inputs of its accepted path, step i at position
+    cache_lens[b] + i, for the last min(path_len[b], W) steps (earlier ones fall out of the ring).
 
-    One layer: conv_state (S, D, W-1), xbc (R, D). Several layers at once: conv_state (S, L, D, W-1),
+    One layer: conv_state (S, D, W), xbc (R, D). Several layers at once: conv_state (S, L, D, W),
     xbc (R, L, D). rows (nb, K) int: the row of xbc that is step k of sequence b's accepted path,
-    every entry a valid row; path_len (nb,) int32 with 1 <= path_len <= K, or 0 to commit nothing.
+    every entry a valid row; path_len (nb,) int32 with 1 <= path_len <= K, or 0 to commit nothing;
+    cache_lens (nb,) int32 the committed lengths before the commit.
     """
     state, xbc = _layered(conv_state, xbc)
     nb, K = rows.shape
-    S, L, D, Wm1 = state.shape
-    if Wm1 == 0 or nb == 0:
+    W = state.shape[3]
+    if nb == 0 or K == 0:
         return
     slots = slot_idx.long()
-    path = xbc[rows.long()].to(state.dtype).permute(0, 2, 3, 1)  # (nb, L, D, K)
-    seq = torch.cat([state[slots], path], dim=3)  # (nb, L, D, W-1+K)
-    cols = path_len.long()[:, None] + torch.arange(Wm1, device=seq.device)[None, :]  # (nb, W-1)
-    state[slots] = torch.gather(seq, 3, cols[:, None, None, :].expand(nb, L, D, Wm1))
+    k = path_len.long()
+    for c in range(W):  # the c-th of the last W steps: distinct columns, so the order does not matter
+        i = k - W + c
+        taken = (i >= 0)[:, None, None]
+        col = (cache_lens.long() + i.clamp(min=0)) % W
+        new = xbc[rows.long().gather(1, i.clamp(min=0, max=K - 1)[:, None])[:, 0]].to(state.dtype)  # (nb, L, D)
+        state[slots, :, :, col] = torch.where(taken, new, state[slots, :, :, col])
 
 
-def conv1d_prefill_ref(xbc, weight, bias, conv_state=None):
-    """One sequence: xbc (L, D) -> SiLU(causal conv) (L, D), new conv state (D, W-1).
+def conv1d_prefill_ref(xbc, weight, bias, conv_state=None, start: int = 0):
+    """One sequence: xbc (L, D) at positions start .. start+L-1 -> (SiLU(causal conv) (L, D),
+    the new ring (D, W)).
 
-    `conv_state (D, W-1)` is the initial state (zeros when None); the new state has its dtype
-    (xbc's dtype when None).
+    `conv_state (D, W)` is the ring of a slot that has consumed `start` tokens (None: a fresh slot,
+    all zeros, with start 0); the new ring has its dtype (xbc's dtype when None).
     """
     L, D = xbc.shape
     W = weight.shape[1]
     state_dtype = conv_state.dtype if conv_state is not None else xbc.dtype
     if conv_state is None:
-        conv_state = torch.zeros(D, W - 1, dtype=xbc.dtype, device=xbc.device)
-    seq = torch.cat([conv_state.float(), xbc.float().t()], dim=1)  # (D, W-1+L)
+        conv_state = torch.zeros(D, W, dtype=xbc.dtype, device=xbc.device)
+    lens = torch.tensor([start], device=xbc.device)
+    window = conv_window(conv_state[None], lens)[0]
+    seq = torch.cat([window.float(), xbc.float().t()], dim=1)  # (D, W-1+L)
     out = F.conv1d(seq[None], weight.float()[:, None, :], bias.float() if bias is not None else None, groups=D)
-    new_state = seq[:, seq.shape[1] - (W - 1):].to(state_dtype)
-    return F.silu(out[0].t()).to(xbc.dtype), new_state
+    ring = conv_state.to(state_dtype).clone()
+    for p in range(max(start, start + L - W), start + L):
+        ring[:, p % W] = xbc[p - start].to(state_dtype)
+    return F.silu(out[0].t()).to(xbc.dtype), ring
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,7 +159,7 @@ def conv1d_prefill_ref(xbc, weight, bias, conv_state=None):
 
 @triton.jit
 def _tree_conv1d_kernel(
-    x_ptr, w_ptr, bias_ptr, state_ptr, parents_ptr, cu_ptr, slot_ptr, out_ptr, raw_ptr,
+    x_ptr, w_ptr, bias_ptr, state_ptr, parents_ptr, cu_ptr, slot_ptr, lens_ptr, out_ptr, raw_ptr,
     D, DX,
     stride_xt, stride_wd, stride_ss, stride_sd, stride_ot, stride_rt,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, STASH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -147,6 +175,7 @@ def _tree_conv1d_kernel(
     start = tl.load(cu_ptr + b)
     n = tl.load(cu_ptr + b + 1) - start
     slot = tl.load(slot_ptr + b).to(tl.int64)
+    n_committed = tl.load(lens_ptr + b)
 
     local = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = local < n
@@ -154,19 +183,20 @@ def _tree_conv1d_kernel(
     d_ok = d < D
     rows = (start + local).to(tl.int64)
 
-    # The committed state's W-1 columns, each read once as a channel vector; a node whose window
-    # reaches past the root picks its column per tap by select. (Per-element gathers of the
-    # column-strided state cost a load per element and tap, even for the nodes that need none.)
+    # The committed window's W-1 columns (col0 oldest: position n-(W-1) + j is ring column
+    # (n + 1 + j) mod W), each read once as a channel vector; a node whose window reaches past the
+    # root picks its column per tap by select. (Per-element gathers of the column-strided state cost
+    # a load per element and tap, even for the nodes that need none.)
     st = state_ptr + slot * stride_ss + d * stride_sd
     col0 = tl.zeros((BLOCK_D,), dtype=tl.float32)
     col1 = col0
     col2 = col0
     if W > 1:
-        col0 = tl.load(st, mask=d_ok, other=0.0).to(tl.float32)
+        col0 = tl.load(st + (n_committed + 1) % W, mask=d_ok, other=0.0).to(tl.float32)
     if W > 2:
-        col1 = tl.load(st + 1, mask=d_ok, other=0.0).to(tl.float32)
+        col1 = tl.load(st + (n_committed + 2) % W, mask=d_ok, other=0.0).to(tl.float32)
     if W > 3:
-        col2 = tl.load(st + 2, mask=d_ok, other=0.0).to(tl.float32)
+        col2 = tl.load(st + (n_committed + 3) % W, mask=d_ok, other=0.0).to(tl.float32)
 
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     cur = tl.where(row_ok, local, -1)  # walk position: local node, -1 once past the root
@@ -184,7 +214,7 @@ def _tree_conv1d_kernel(
             tl.store(raw_ptr + rows[:, None] * stride_rt + d[None, :], val.to(raw_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & cols_ok[None, :])
         if s > 0:  # the node itself is always on its path
-            col = W - 1 - beyond  # state column, oldest first; in [0, W-2] whenever it is read
+            col = W - 1 - beyond  # window column, oldest first; in [0, W-2] whenever it is read
             from_state = (row_ok & (cur < 0))[:, None]
             state_val = tl.where((col == 0)[:, None], col0[None, :],
                                  tl.where((col == 1)[:, None], col1[None, :], col2[None, :]))
@@ -207,8 +237,8 @@ def _conv_blocks(D: int, rows: int = 16) -> int:
     return min(triton.next_power_of_2(max(D, 16)), max(128, min(1024, 2048 // rows)))
 
 
-def tree_conv1d(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, max_nodes, *, out=None,
-                stash=None, block_t: int | None = None, block_d: int | None = None,
+def tree_conv1d(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, cache_lens, max_nodes, *,
+                out=None, stash=None, block_t: int | None = None, block_d: int | None = None,
                 num_warps: int | None = None):
     """Triton twin of `tree_conv1d_ref`: one program per (node tile, tree, channel block).
 
@@ -228,8 +258,7 @@ def tree_conv1d(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, ma
         raise ValueError(f"conv width {W} is not in 1..4")
     xbc = xbc.contiguous() if xbc.stride(1) != 1 else xbc
     weight = weight.contiguous()
-    if W > 1 and conv_state.stride(2) != 1:
-        raise ValueError("conv_state must be contiguous along its last axis")
+    _check_ring(conv_state, W)
     if out is None:
         out = torch.empty(T, D, dtype=xbc.dtype, device=xbc.device)
     elif out.shape != (T, D) or out.stride(1) != 1:
@@ -242,7 +271,8 @@ def tree_conv1d(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, ma
     raw = stash if stash is not None else out
     grid = (triton.cdiv(int(max_nodes), BLOCK_T), B, triton.cdiv(DX, BLOCK_D))
     _tree_conv1d_kernel[grid](
-        xbc, weight, bias if bias is not None else weight, conv_state, parents, cu_seqlens, slot_idx, out, raw,
+        xbc, weight, bias if bias is not None else weight, conv_state, parents, cu_seqlens, slot_idx, cache_lens,
+        out, raw,
         D, DX,
         xbc.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0), raw.stride(0),
         W=W, HAS_BIAS=bias is not None, STASH=stash is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
@@ -253,13 +283,15 @@ def tree_conv1d(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, ma
 
 @triton.jit
 def _conv_commit_kernel(
-    state_ptr, slot_ptr, x_ptr, rows_ptr, len_ptr,
+    state_ptr, slot_ptr, x_ptr, rows_ptr, len_ptr, lens_ptr,
     D,
     stride_ss, stride_sl, stride_sd, stride_xr, stride_xl, stride_rb, stride_rk,
-    WM1: tl.constexpr, WP: tl.constexpr, BLOCK_D: tl.constexpr,
+    W: tl.constexpr, WP: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Programs (sequence, layer, channel block); path inputs read in place through the row table."""
+    """Programs (sequence, layer, channel block); path inputs read in place through the row table.
+    Each of the last min(path_len, W) steps goes to its own ring column: no column is read, so no
+    ordering between the stores is needed."""
     release_next(PDL)
     wait_for_previous(PDL)  # every input below may come from the kernel before
     b = tl.program_id(0)
@@ -267,43 +299,48 @@ def _conv_commit_kernel(
     dblk = tl.program_id(2)
     slot = tl.load(slot_ptr + b).to(tl.int64)
     plen = tl.load(len_ptr + b)
+    n_committed = tl.load(lens_ptr + b)
     d = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < D
     c = tl.arange(0, WP)
-    c_ok = c < WM1
-    src = plen + c  # column of [old state | path inputs] that becomes new column c
-    from_old = c_ok & (src < WM1)
-    from_path = c_ok & (src >= WM1)
-    base = state_ptr + slot * stride_ss + layer * stride_sl + d[:, None] * stride_sd
-    old = tl.load(base + tl.minimum(src, WM1 - 1)[None, :], mask=d_ok[:, None] & from_old[None, :], other=0.0)
-    row = tl.load(rows_ptr + b * stride_rb + tl.maximum(src - WM1, 0) * stride_rk, mask=from_path, other=0)
+    step = plen - W + c  # path step that lands in this lane
+    taken = (c < W) & (step >= 0)
+    step = tl.maximum(step, 0)
+    row = tl.load(rows_ptr + b * stride_rb + step * stride_rk, mask=taken, other=0)
     new = tl.load(
         x_ptr + row.to(tl.int64)[None, :] * stride_xr + layer * stride_xl + d[:, None],
-        mask=d_ok[:, None] & from_path[None, :],
+        mask=d_ok[:, None] & taken[None, :],
         other=0.0,
     )
-    val = tl.where(from_old[None, :], old, new.to(old.dtype))
-    tl.debug_barrier()  # every old column is read before any is overwritten
-    tl.store(base + c[None, :], val, mask=d_ok[:, None] & c_ok[None, :])
+    col = (n_committed + step) % W
+    base = state_ptr + slot * stride_ss + layer * stride_sl + d[:, None] * stride_sd
+    tl.store(base + col[None, :], new.to(state_ptr.dtype.element_ty), mask=d_ok[:, None] & taken[None, :])
 
 
-def conv_state_commit(conv_state, slot_idx, xbc, rows, path_len):
-    """Triton twin of `conv_state_commit_ref` (in place; slots in `slot_idx` must be distinct)."""
+def _check_ring(conv_state, W: int) -> None:
+    if conv_state.shape[-1] != W:
+        raise ValueError(f"conv_state has {conv_state.shape[-1]} columns; a width-{W} conv keeps a ring of {W}")
+    if conv_state.stride(-1) != 1:
+        raise ValueError("conv_state must be contiguous along its last axis")
+
+
+def conv_state_commit(conv_state, slot_idx, xbc, rows, path_len, cache_lens):
+    """Triton twin of `conv_state_commit_ref` (in place; slots in `slot_idx` must be distinct, except
+    for items that commit nothing)."""
     state, xbc = _layered(conv_state, xbc)
     nb, K = rows.shape
-    S, L, D, WM1 = state.shape
-    if WM1 == 0 or nb == 0:
+    S, L, D, W = state.shape
+    if nb == 0 or K == 0:
         return
-    if state.stride(3) != 1:
-        raise ValueError("conv_state must be contiguous along its last axis")
+    _check_ring(state, W)
     xbc = xbc if xbc.stride(2) == 1 else xbc.contiguous()
     BLOCK_D = min(256, triton.next_power_of_2(max(D, 16)))
     grid = (nb, L, triton.cdiv(D, BLOCK_D))
     _conv_commit_kernel[grid](
-        state, slot_idx, xbc, rows, path_len,
+        state, slot_idx, xbc, rows, path_len, cache_lens,
         D,
         state.stride(0), state.stride(1), state.stride(2), xbc.stride(0), xbc.stride(1), *rows.stride(),
-        WM1=WM1, WP=triton.next_power_of_2(WM1), BLOCK_D=BLOCK_D,
+        W=W, WP=triton.next_power_of_2(W), BLOCK_D=BLOCK_D,
         **pdl.launch_options(state.device),
     )
 
@@ -311,7 +348,7 @@ def conv_state_commit(conv_state, slot_idx, xbc, rows, path_len):
 @triton.jit
 def _conv_prefill_kernel(
     x_ptr, w_ptr, bias_ptr, init_ptr, out_ptr, new_state_ptr,
-    L, D,
+    L, D, start,
     stride_xl, stride_wd, stride_id, stride_ol, stride_nd,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, WP: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -329,8 +366,8 @@ def _conv_prefill_kernel(
                       mask=(t_ok & (src >= 0))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         if HAS_INIT:
             if s > 0:
-                col = W - 1 + src  # initial-state column for src < 0
-                val += tl.load(init_ptr + d[None, :] * stride_id + tl.maximum(col, 0)[:, None],
+                col = (start + src + W) % W  # ring column of position start + src (>= start - W + 1)
+                val += tl.load(init_ptr + d[None, :] * stride_id + col[:, None],
                                mask=(t_ok & (src < 0))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptr + d * stride_wd + (W - 1 - s), mask=d_ok, other=0.0).to(tl.float32)
         acc += val * w[None, :]
@@ -339,24 +376,23 @@ def _conv_prefill_kernel(
     y = acc / (1.0 + tl.exp(-acc))
     tl.store(out_ptr + t[:, None].to(tl.int64) * stride_ol + d[None, :], y.to(out_ptr.dtype.element_ty),
              mask=t_ok[:, None] & d_ok[None, :])
-    if W > 1:
-        if tile == 0:  # the new state: last W-1 columns of [initial state | x]
-            c = tl.arange(0, WP)
-            c_ok = c < W - 1
-            src_c = L + c
-            from_init = c_ok & (src_c < W - 1)
-            from_x = c_ok & (src_c >= W - 1)
-            v = tl.load(x_ptr + tl.maximum(src_c - (W - 1), 0)[None, :].to(tl.int64) * stride_xl + d[:, None],
-                        mask=d_ok[:, None] & from_x[None, :], other=0.0).to(tl.float32)
-            if HAS_INIT:
-                v += tl.load(init_ptr + d[:, None] * stride_id + tl.minimum(src_c, W - 2)[None, :],
-                             mask=d_ok[:, None] & from_init[None, :], other=0.0).to(tl.float32)
-            tl.store(new_state_ptr + d[:, None] * stride_nd + c[None, :], v.to(new_state_ptr.dtype.element_ty),
-                     mask=d_ok[:, None] & c_ok[None, :])
+    if tile == 0:  # the new ring: column r holds the one of the last W positions that is r mod W
+        r = tl.arange(0, WP)
+        r_ok = r < W
+        first = start + L - W
+        pos = first + ((r - first) % W + W) % W
+        from_x = r_ok & (pos >= start)
+        v = tl.load(x_ptr + tl.maximum(pos - start, 0)[None, :].to(tl.int64) * stride_xl + d[:, None],
+                    mask=d_ok[:, None] & from_x[None, :], other=0.0).to(tl.float32)
+        if HAS_INIT:  # older positions keep their column
+            v += tl.load(init_ptr + d[:, None] * stride_id + r[None, :],
+                         mask=d_ok[:, None] & (r_ok & (pos < start))[None, :], other=0.0).to(tl.float32)
+        tl.store(new_state_ptr + d[:, None] * stride_nd + r[None, :], v.to(new_state_ptr.dtype.element_ty),
+                 mask=d_ok[:, None] & r_ok[None, :])
 
 
-def conv1d_prefill(xbc, weight, bias, conv_state=None):
-    """Triton twin of `conv1d_prefill_ref`: xbc (L, D) -> (out (L, D), new state (D, W-1))."""
+def conv1d_prefill(xbc, weight, bias, conv_state=None, start: int = 0):
+    """Triton twin of `conv1d_prefill_ref`: xbc (L, D) -> (out (L, D), new ring (D, W))."""
     L, D = xbc.shape
     W = weight.shape[1]
     if not 1 <= W <= 4:
@@ -366,22 +402,22 @@ def conv1d_prefill(xbc, weight, bias, conv_state=None):
     state_dtype = conv_state.dtype if conv_state is not None else xbc.dtype
     if conv_state is not None:
         conv_state = conv_state.contiguous()
+        _check_ring(conv_state, W)
     out = torch.empty_like(xbc)
-    new_state = torch.zeros(D, W - 1, dtype=state_dtype, device=xbc.device)
     if L == 0:
-        if conv_state is not None:
-            new_state.copy_(conv_state)
-        return out, new_state
+        return out, (conv_state.clone() if conv_state is not None else torch.zeros(D, W, dtype=state_dtype,
+                                                                                    device=xbc.device))
+    new_state = torch.empty(D, W, dtype=state_dtype, device=xbc.device)
     BLOCK_L = 16
     BLOCK_D = _conv_blocks(D)
     grid = (triton.cdiv(L, BLOCK_L), triton.cdiv(D, BLOCK_D))
     _conv_prefill_kernel[grid](
         xbc, weight, bias if bias is not None else weight, conv_state if conv_state is not None else weight,
         out, new_state,
-        L, D,
+        L, D, int(start),
         xbc.stride(0), weight.stride(0), conv_state.stride(0) if conv_state is not None else 0, out.stride(0),
-        max(W - 1, 1),
-        W=W, HAS_BIAS=bias is not None, HAS_INIT=conv_state is not None, WP=triton.next_power_of_2(max(W - 1, 1)),
+        new_state.stride(0),
+        W=W, HAS_BIAS=bias is not None, HAS_INIT=conv_state is not None, WP=triton.next_power_of_2(W),
         BLOCK_L=BLOCK_L, BLOCK_D=BLOCK_D,
     )
     return out, new_state

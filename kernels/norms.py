@@ -3,7 +3,8 @@ Mamba2 gated RMSNorm. Numerics follow transformers: statistics in fp32, the norm
 to the input's dtype before the weight multiplies it.
 
     add_rms_norm:   h' = h + m * out;   x = weight * rms_norm(h'.to(norm_dtype))
-                    (out first scaled per row when `out_scale` is given: a deferred gated norm's rstd)
+                    (out first scaled per row by the rstd of `out_scale`, a deferred gated norm's
+                    SumOfSquares)
     gated_rms_norm: g = y * silu(z);    out = weight * (g / rms(g) over groups).to(out_dtype)
 
 Every rounding step of the PyTorch twins (`m * out` in out's dtype, `h'` in the promoted dtype of
@@ -11,6 +12,8 @@ h and out, the normalised value in `norm_dtype`, the product with the weight in 
 is reproduced by the kernels, so they differ from the twins only by fp32 summation order.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +28,22 @@ from kernels.ssm_common import last_axis_contiguous, silu
 MAX_WIDTH = 32768
 # constexpr code of the dtype a value is rounded to (dtypes themselves are not plain constexprs)
 ROUND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+
+
+class SumOfSquares(NamedTuple):
+    """A row norm left for later, as its statistics: rstd = rsqrt(parts.sum(1) / count + eps).
+    parts (T, n) fp32, partial sums of squares of each row's `count` values (n >= 1: the fused
+    decode step leaves one per program, so no program has to wait for the others to add them up)."""
+
+    parts: torch.Tensor
+    count: int
+    eps: float
+
+    def rstd(self) -> torch.Tensor:
+        """(T,) fp32."""
+        return torch.rsqrt(self.parts.float().sum(1) / self.count + self.eps)
 
 
 # --------------------------------------------------------------------------------------------
@@ -44,9 +63,10 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, norm_dtype: 
 def add_rms_norm_ref(h, out, weight, eps: float, multiplier: float = 1.0, norm_dtype=None, out_scale=None):
     """Block boundary of the residual stream: h (T, d), out (T, d) or None ->
     (h' = h + multiplier * out, rms_norm_ref(h', weight, eps, norm_dtype)). With `out` None, h' is h.
-    `out_scale` (T,) fp32 or None: out is first replaced by (out * out_scale[:, None]) in out's dtype."""
+    `out_scale` a SumOfSquares of T rows, or None: out is first replaced by (out * rstd[:, None]) in
+    out's dtype."""
     if out is not None and out_scale is not None:
-        out = (out.float() * out_scale.float()[:, None]).to(out.dtype)
+        out = (out.float() * out_scale.rstd()[:, None]).to(out.dtype)
     if out is not None:
         h = h + (out * multiplier if multiplier != 1.0 else out)
     return h, rms_norm_ref(h, weight, eps, norm_dtype)
@@ -64,11 +84,11 @@ def gated_rms_norm_ref(y, z, weight, group_size: int, eps: float, out_dtype: tor
 
 def gated_rms_norm_deferred_ref(y, z, weight, eps: float, out_dtype: torch.dtype):
     """One-group `gated_rms_norm_ref` with the scale left out: y, z (T, d) ->
-    (u = weight * (y * silu(z)).to(out_dtype) (T, d), rstd (T,) fp32), so that for a linear map W,
-    rstd[:, None] * (u @ W.T) equals gated_rms_norm_ref(...) @ W.T up to rounding."""
+    (u = weight * (y * silu(z)).to(out_dtype) (T, d), SumOfSquares of the rows of y * silu(z)), so
+    that for a linear map W, rstd[:, None] * (u @ W.T) equals gated_rms_norm_ref(...) @ W.T up to
+    rounding."""
     g = y.float() * F.silu(z.float())
-    rstd = torch.rsqrt(g.pow(2).mean(-1) + eps)
-    return weight * g.to(out_dtype), rstd
+    return weight * g.to(out_dtype), SumOfSquares(g.pow(2).sum(-1, keepdim=True), g.shape[1], float(eps))
 
 
 # --------------------------------------------------------------------------------------------
@@ -88,10 +108,11 @@ def round_to(v, KIND: tl.constexpr):
 
 @triton.jit
 def _add_rms_norm_kernel(
-    h_ptr, out_ptr, scale_ptr, w_ptr, hn_ptr, x_ptr,
-    d, mult, eps,
-    s_h, s_o, s_hn, s_x,
+    h_ptr, out_ptr, parts_ptr, w_ptr, hn_ptr, x_ptr,
+    d, mult, eps, n_parts, scale_count, scale_eps,
+    s_h, s_o, s_p, s_hn, s_x,
     HAS_OUT: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
+    PARTS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program per row: the residual add and the norm of the sum, without a round trip through memory."""
@@ -104,8 +125,10 @@ def _add_rms_norm_kernel(
     h = tl.load(h_ptr + row * s_h + c, mask=ok, other=0.0)
     if HAS_OUT:
         o = tl.load(out_ptr + row * s_o + c, mask=ok, other=0.0)
-        if HAS_SCALE:  # a deferred norm's per-row factor, applied in out's dtype first
-            o = (o.to(tl.float32) * tl.load(scale_ptr + row)).to(o.dtype)
+        if HAS_SCALE:  # a deferred norm's per-row factor from its partial sums, applied in out's dtype first
+            q = tl.arange(0, PARTS)
+            ss = tl.sum(tl.load(parts_ptr + row * s_p + q, mask=q < n_parts, other=0.0), axis=0)
+            o = (o.to(tl.float32) * tl.rsqrt(ss / scale_count + scale_eps)).to(o.dtype)
         scaled = (o.to(tl.float32) * mult).to(o.dtype)  # `out * m` is a tensor of out's dtype first
         h = (h.to(tl.float32) + scaled.to(tl.float32)).to(hn_ptr.dtype.element_ty)
         tl.store(hn_ptr + row * s_hn + c, h, mask=ok)
@@ -147,10 +170,13 @@ def _block(width: int) -> tuple[int, int]:
 
 
 def add_rms_norm(h, out, weight, eps: float, multiplier: float = 1.0, norm_dtype=None, out_scale=None):
-    """Triton twin of `add_rms_norm_ref`: h, out (T, d), out_scale (T,) fp32 or None ->
-    (h' (T, d), x (T, d)); one program per row."""
-    if out_scale is not None and (out is None or out_scale.shape != (h.shape[0],)):
-        raise ValueError(f"out_scale must be ({h.shape[0]},) beside an out, got {tuple(out_scale.shape)}")
+    """Triton twin of `add_rms_norm_ref`: h, out (T, d), out_scale a SumOfSquares or None ->
+    (h' (T, d), x (T, d)); one program per row, which also adds up its row's partial sums."""
+    if out_scale is not None:
+        parts = out_scale.parts
+        if out is None or parts.dim() != 2 or parts.shape[0] != h.shape[0] or parts.dtype != torch.float32:
+            raise ValueError(f"out_scale must hold ({h.shape[0]}, n) fp32 partial sums beside an out, got "
+                             f"{tuple(parts.shape)} {parts.dtype}")
     T, d = h.shape
     norm_dtype = norm_dtype or (h.dtype if out is None else torch.promote_types(h.dtype, out.dtype))
     h = last_axis_contiguous(h)
@@ -162,12 +188,16 @@ def add_rms_norm(h, out, weight, eps: float, multiplier: float = 1.0, norm_dtype
         return hn, x
     block, warps = _block(d)
     o = out if out is not None else h
-    scale = out_scale.float().contiguous() if out_scale is not None else o
+    parts = last_axis_contiguous(out_scale.parts) if out_scale is not None else o
     _add_rms_norm_kernel[(T,)](
-        h, o, scale, weight.contiguous(), hn, x,
+        h, o, parts, weight.contiguous(), hn, x,
         d, float(multiplier), float(eps),
-        h.stride(0), o.stride(0), hn.stride(0), x.stride(0),
+        parts.shape[1] if out_scale is not None else 0,
+        float(out_scale.count) if out_scale is not None else 1.0,
+        float(out_scale.eps) if out_scale is not None else 0.0,
+        h.stride(0), o.stride(0), parts.stride(0), hn.stride(0), x.stride(0),
         HAS_OUT=out is not None, HAS_SCALE=out_scale is not None, NORM=ROUND[norm_dtype], BLOCK=block,
+        PARTS=triton.next_power_of_2(parts.shape[1]) if out_scale is not None else 1,
         **pdl.launch_options(h.device), num_warps=warps,
     )
     return hn, x

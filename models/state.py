@@ -6,7 +6,8 @@ block (fork is one copy per tensor) and a commit can treat all layers as extra h
 layer (one kernel call for every Mamba2 block, one for every attention block):
 
     ssm   (S + 1, n_mamba, H, P, N)        fp32
-    conv  (S + 1, n_mamba, conv_dim, W-1)   model dtype (raw conv inputs)
+    conv  (S + 1, n_mamba, conv_dim, W)     model dtype: rings of the last W raw conv inputs, the
+                                            input at position p in column p mod W (kernels/conv_tree.py)
     k, v  (S + 1, capacity, n_attn, Hkv, Dh) model dtype
 
 Slot S (one past the last) is scratch: padded rows of captured CUDA graphs point there. The KV
@@ -54,7 +55,7 @@ class StatePool:
         m, a = self.mamba, self.attention
         if m is not None:
             self.ssm = torch.zeros(S, self.n_mamba, m.n_heads, m.head_dim, m.d_state, dtype=torch.float32, device=device)
-            self.conv = torch.zeros(S, self.n_mamba, m.conv_dim, m.d_conv - 1, dtype=dtype, device=device)
+            self.conv = torch.zeros(S, self.n_mamba, m.conv_dim, m.d_conv, dtype=dtype, device=device)
         if a is not None:
             shape = (S, self.capacity, self.n_attn, a.n_kv_heads, a.head_dim)
             self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -139,7 +140,7 @@ class StatePool:
         return self.ssm[:, i]
 
     def conv_layer(self, i: int) -> torch.Tensor:
-        """(S + 1, conv_dim, W - 1) view of the i-th Mamba2 block's conv states."""
+        """(S + 1, conv_dim, W) view of the i-th Mamba2 block's conv rings."""
         return self.conv[:, i]
 
     def kv_layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -167,7 +167,7 @@ def run_commit(pool: StatePool, stash: VerifyStash, meta: torch.Tensor, batch: i
         x, Bp, _ = m.split_conv(stash.xBC)  # views (T, n_mamba, H, P) and (T, n_mamba, G, N)
         xbc, dt = stash.xbc_dt[..., : m.conv_dim], stash.xbc_dt[..., m.conv_dim :]
         ops.ssm_state_commit(pool.ssm, slot_idx, x, dt, Bp, mamba_rows, path_len, A_all, dt_bias_all, dt_limit)
-        ops.conv_state_commit(pool.conv, slot_idx, xbc, mamba_rows, path_len)
+        ops.conv_state_commit(pool.conv, slot_idx, xbc, mamba_rows, path_len, cache_lens)
     if pool.n_attn:
         a, La = pool.attention, pool.n_attn
         k = stash.k[attn_idx].view(-1, La * a.n_kv_heads, a.head_dim)

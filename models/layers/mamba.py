@@ -87,7 +87,7 @@ class MambaMixer(nn.Module):
             rows = slice(start, start + n)
             start += n
             conv_out, conv_state = ops.conv1d_prefill(
-                xbc[rows], self.conv_weight, self.conv_bias, conv[slot] if L > 0 else None
+                xbc[rows], self.conv_weight, self.conv_bias, conv[slot] if L > 0 else None, L
             )
             conv[slot] = conv_state
             x, B, C = s.split_conv(conv_out)
@@ -100,8 +100,8 @@ class MambaMixer(nn.Module):
         return self._finish(torch.cat(ys, 0), z)
 
     def decode(self, h: torch.Tensor, batch: Packed, pool: StatePool) -> torch.Tensor | RowScaled:
-        """h (B, d_model), one token per sequence -> (B, d_model), or RowScaled((B, d_model), (B,)) when
-        the gated norm's scale is deferred; advances conv and SSM state.
+        """h (B, d_model), one token per sequence -> (B, d_model), or RowScaled((B, d_model), SumOfSquares)
+        when the gated norm's scale is deferred; advances conv and SSM state.
 
         Everything between the projections (conv, state updates, SSM, gate and gated norm) is one
         fused step (kernels/mamba_decode.py) when the gate meets a gated norm or no norm; a norm
@@ -111,14 +111,14 @@ class MambaMixer(nn.Module):
             return self._decode_unfused(h, batch, pool)
         state = (
             self.in_proj(h), pool.conv_layer(self.layer), pool.ssm_layer(self.layer), batch.slot_idx,
-            self.conv_weight, self.conv_bias, self.A, self.D, self.dt_bias, s.dt_limit,
+            batch.cache_lens, self.conv_weight, self.conv_bias, self.A, self.D, self.dt_bias, s.dt_limit,
         )
         if s.gate_norm == "none":
             return self.out_proj(ops.mamba_decode_step_gate_only(*state, arrivals=self.arrivals))
         common = (*state, self.norm_weight)
         if self.decode_defers_norm:
-            u, rstd = ops.mamba_decode_step_deferred_norm(*common, s.norm_eps, arrivals=self.arrivals)
-            return RowScaled(self.out_proj(u), rstd)
+            u, sums = ops.mamba_decode_step_deferred_norm(*common, s.norm_eps, arrivals=self.arrivals)
+            return RowScaled(self.out_proj(u), sums)
         g = ops.mamba_decode_step(*common, s.norm_group_size, s.norm_eps, arrivals=self.arrivals)
         return self.out_proj(g)
 
@@ -132,10 +132,11 @@ class MambaMixer(nn.Module):
         conv = pool.conv_layer(self.layer)
         conv_out = ops.tree_conv1d(
             xbc, self.conv_weight, self.conv_bias, conv, batch.parents, batch.cu_seqlens, batch.slot_idx,
-            batch.max_nodes,
+            batch.cache_lens, batch.max_nodes,
         )
         # row b is the one step of sequence b (one node per tree: cu_seqlens[b] == b)
-        ops.conv_state_commit(conv, batch.slot_idx, xbc, batch.cu_seqlens[:-1, None], torch.ones_like(batch.slot_idx))
+        ops.conv_state_commit(conv, batch.slot_idx, xbc, batch.cu_seqlens[:-1, None], torch.ones_like(batch.slot_idx),
+                              batch.cache_lens)
         x, Bm, Cm = s.split_conv(conv_out)
         y = ops.ssm_chain_update(
             pool.ssm_layer(self.layer), batch.slot_idx, x[:, None], dt[:, None], self.A, Bm[:, None],
@@ -152,7 +153,8 @@ class MambaMixer(nn.Module):
         raw, conv_out = stash.mamba_rows(self.layer, h.shape[0])
         ops.tree_conv1d(
             zxbcdt[:, s.d_inner:], self.conv_weight, self.conv_bias, pool.conv_layer(self.layer),
-            batch.parents, batch.cu_seqlens, batch.slot_idx, batch.max_nodes, out=conv_out, stash=raw,
+            batch.parents, batch.cu_seqlens, batch.slot_idx, batch.cache_lens, batch.max_nodes, out=conv_out,
+            stash=raw,
         )
         x, B, C = s.split_conv(conv_out)
         y = ops.tree_ssd_scan(

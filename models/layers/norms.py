@@ -7,15 +7,16 @@ from typing import NamedTuple
 import torch
 
 from kernels import ops
+from kernels.norms import SumOfSquares
 from kernels.ssm_common import silu_gate
 
 
 class RowScaled(NamedTuple):
-    """A block output whose rows still need a factor: value (T, d) * scale (T,) fp32[:, None]. A Mamba2
+    """A block output whose rows still need a factor: value (T, d) * scale.rstd()[:, None]. A Mamba2
     decode step returns this when it leaves its gated norm's scale to the next residual add."""
 
     value: torch.Tensor
-    scale: torch.Tensor
+    scale: SumOfSquares
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, norm_dtype: torch.dtype | None = None):

@@ -45,6 +45,16 @@ def _trees(spec, seed):
     return parents, cu, max_nodes, lists
 
 
+# committed lengths of the conv tests' six trees: a fresh slot, windows that wrap around the ring
+LENS = [0, 1, 2, 3, 130, 4097]
+
+
+def _window(ring, n: int):
+    """ring (D, W) at committed length n -> its last W-1 inputs, oldest first (D, W-1)."""
+    W = ring.shape[1]
+    return ring[:, [(n - (W - 1) + j) % W for j in range(W - 1)]]
+
+
 @pytest.mark.parametrize("D", [5376, 6144])
 def test_tree_conv1d_model_size(D):
     W, S = 4, 8
@@ -52,19 +62,20 @@ def test_tree_conv1d_model_size(D):
     parents, cu, max_nodes, lists = _trees(TREES, D)
     T = int(cu[-1])
     slots = torch.tensor([3, 0, 7, 1, 5, 2], dtype=torch.int32, device=DEV)
+    lens = torch.tensor(LENS, dtype=torch.int32, device=DEV)
     xbc = torch.randn(T, D, generator=gen, device=DEV).to(BF)
     weight = (torch.randn(D, W, generator=gen, device=DEV) * 0.5).to(BF)
     bias = torch.randn(D, generator=gen, device=DEV).to(BF)
-    state = torch.randn(S, D, W - 1, generator=gen, device=DEV).to(BF)
+    state = torch.randn(S, D, W, generator=gen, device=DEV).to(BF)
     out = torch.full_like(xbc, float("nan"))
-    got = ct.tree_conv1d(xbc, weight, bias, state, parents, cu, slots, max_nodes, out=out)
-    ref = ct.tree_conv1d_ref(xbc, weight, bias, state, parents, cu, slots, max_nodes)
+    got = ct.tree_conv1d(xbc, weight, bias, state, parents, cu, slots, lens, max_nodes, out=out)
+    ref = ct.tree_conv1d_ref(xbc, weight, bias, state, parents, cu, slots, lens, max_nodes)
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got.float(), ref.float(), **CONV_TOL)
     for b, lst in enumerate(lists):  # float64 oracle on a few nodes per tree
         for i in sorted({0, len(lst) // 2, len(lst) - 1}):
             path = int(cu[b]) + torch.tensor(path_to(lst, i), device=DEV)
-            seq = torch.cat([state[int(slots[b])].double(), xbc[path].double().t()], dim=1)
+            seq = torch.cat([_window(state[int(slots[b])], LENS[b]).double(), xbc[path].double().t()], dim=1)
             want = F.silu(F.conv1d(seq[None], weight.double()[:, None], bias.double(), groups=D)[0, :, -1])
             torch.testing.assert_close(got[int(cu[b]) + i].double(), want, **CONV_TOL)
 
@@ -78,15 +89,17 @@ def test_tree_conv1d_stash_model_size(D, H):
     parents, cu, max_nodes, _ = _trees(TREES, D + 2)
     T = int(cu[-1])
     slots = torch.tensor([3, 0, 7, 1, 5, 2], dtype=torch.int32, device=DEV)
+    lens = torch.tensor(LENS, dtype=torch.int32, device=DEV)
     xbc_dt = torch.randn(T, D + H, generator=gen, device=DEV).to(BF)
     weight = (torch.randn(D, W, generator=gen, device=DEV) * 0.5).to(BF)
     bias = torch.randn(D, generator=gen, device=DEV).to(BF)
-    state = torch.randn(S, D, W - 1, generator=gen, device=DEV).to(BF)
+    state = torch.randn(S, D, W, generator=gen, device=DEV).to(BF)
     raw = torch.full_like(xbc_dt, float("nan"))
     rows = torch.full((T, 3, D), float("nan"), dtype=BF, device=DEV)  # the stash: (rows, layers, D)
-    got = ct.tree_conv1d(xbc_dt, weight, bias, state, parents, cu, slots, max_nodes, out=rows[:, 1], stash=raw)
+    got = ct.tree_conv1d(xbc_dt, weight, bias, state, parents, cu, slots, lens, max_nodes, out=rows[:, 1],
+                         stash=raw)
     assert torch.equal(got, ct.tree_conv1d(xbc_dt[:, :D].contiguous(), weight, bias, state, parents, cu, slots,
-                                           max_nodes))
+                                           lens, max_nodes))
     assert torch.equal(raw, xbc_dt) and rows[:, 0].isnan().all() and rows[:, 2].isnan().all()
 
 
@@ -95,22 +108,23 @@ def test_conv_state_commit_and_prefill_model_size(D):
     W, S, K = 4, 8, 9
     gen = _gen(D + 1)
     slots = torch.tensor([6, 1, 4, 0], dtype=torch.int32, device=DEV)
-    state = torch.randn(S, D, W - 1, generator=gen, device=DEV).to(BF)
+    state = torch.randn(S, D, W, generator=gen, device=DEV).to(BF)
     stashed = torch.randn(4 * K, D + 80, generator=gen, device=DEV).to(BF)[:, :D]  # rows of a wider stash
     rows = torch.randperm(4 * K, generator=gen, device=DEV).view(4, K)
     path_len = torch.tensor([1, 2, 9, 5], dtype=torch.int32, device=DEV)
+    lens = torch.tensor([0, 3, 17, 4094], dtype=torch.int32, device=DEV)
     got, ref = state.clone(), state.clone()
-    ct.conv_state_commit(got, slots, stashed, rows, path_len)
-    ct.conv_state_commit_ref(ref, slots, stashed, rows, path_len)
+    ct.conv_state_commit(got, slots, stashed, rows, path_len, lens)
+    ct.conv_state_commit_ref(ref, slots, stashed, rows, path_len, lens)
     assert torch.equal(got, ref)
 
     L = 1000
     xbc = torch.randn(L, D, generator=gen, device=DEV).to(BF)
     weight = (torch.randn(D, W, generator=gen, device=DEV) * 0.5).to(BF)
     bias = torch.randn(D, generator=gen, device=DEV).to(BF)
-    for init in (None, state[2]):
-        out, new_state = ct.conv1d_prefill(xbc, weight, bias, init)
-        out_ref, state_ref = ct.conv1d_prefill_ref(xbc, weight, bias, init)
+    for init, start in ((None, 0), (state[2], 6)):
+        out, new_state = ct.conv1d_prefill(xbc, weight, bias, init, start)
+        out_ref, state_ref = ct.conv1d_prefill_ref(xbc, weight, bias, init, start)
         torch.testing.assert_close(out.float(), out_ref.float(), **CONV_TOL)
         assert torch.equal(new_state, state_ref)
 

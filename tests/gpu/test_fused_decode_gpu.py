@@ -2,10 +2,11 @@
 
     TRITON_INTERPRET=0 python -m pytest -q tests/gpu/test_fused_decode_gpu.py
 
-The fused Mamba2 step hands row-wide work (the B/C conv windows, the gated norm) to the last
-program of each row to finish; only a GPU runs programs concurrently, so these tests repeat steps
-at large batches, where a missing release/acquire or a stale cache line would show as a wrong
-row. Tolerances as in test_ssm_gpu.py: 1e-2 relative for bf16 outputs (one bf16 ulp is 4e-3),
+The fused Mamba2 step hands a grouped gated norm to the last program of each row to finish, and
+every program of a group reads the B/C conv windows while one of them writes the new inputs into
+the ring; only a GPU runs programs concurrently, so these tests repeat steps at large batches
+(lengths advancing, so the rings wrap), where a missing release/acquire, a stale cache line or a
+write into a column still being read would show as a wrong row. Tolerances as in test_ssm_gpu.py: 1e-2 relative for bf16 outputs (one bf16 ulp is 4e-3),
 1e-3 for fp32 states plus the rounding of the update's bf16 factors (`assert_state_close`); conv
 states are data movement and must be equal.
 """
@@ -111,10 +112,13 @@ def test_many_steps_at_large_batch_with_padded_rows(shape):
     args = case(shape, nb, seed=1, slots=real + 1)
     conv, ssm = args["conv_state"], args["ssm_state"]
     gen = torch.Generator(device=DEV).manual_seed(0)
+    length = torch.randint(0, 50, (real + 1,), device=DEV, generator=gen, dtype=torch.int32)  # per slot
     for step in range(STEPS):
         args["zxbcdt"] = torch.randn(args["zxbcdt"].shape, device=DEV, generator=gen).to(BF16)
         perm = torch.randperm(real, device=DEV, generator=gen)
         args["slot_idx"] = torch.cat([perm, torch.full((nb - real,), real, device=DEV)]).to(torch.int32)
+        args["cache_lens"] = length[args["slot_idx"].long()]
+        length[perm] += 1
         r_conv, r_ssm = conv.clone(), ssm.clone()
         update = update_size(args)
         out = mamba_decode_step(**args, arrivals=arrivals)  # advances conv, ssm in place
@@ -134,8 +138,8 @@ UNGROUPED = [shape for shape, (*_, ng) in SHAPES.items() if ng == 1]
 @pytest.mark.parametrize("nb", [1, 16, 128])
 def test_deferred_norm_step(shape, nb):
     """The deferred-norm variant: the same states as the normalising step, u equal to its twin,
-    rstd within fp32 summation order, and u * rstd the normalised output; repeated steps at large
-    batch for the last program's rstd hand-off."""
+    the rstd of its partial sums within fp32 summation order of the twin's, and u * rstd the
+    normalised output; repeated steps at large batch (no program waits for another here)."""
     args = case(shape, nb, seed=nb + 7)
     arrivals = torch.zeros(nb, dtype=torch.int32, device=DEV)
     for step in range(STEPS if nb == NB_LARGE else 3):
@@ -143,8 +147,9 @@ def test_deferred_norm_step(shape, nb):
         r = {**args, "conv_state": args["conv_state"].clone(), "ssm_state": args["ssm_state"].clone()}
         update = update_size(args)
         out = mamba_decode_step(**args, arrivals=arrivals)  # advances args' pools
-        u, rstd = mamba_decode_step_deferred_norm(**deferred_args(a), arrivals=arrivals)
-        u_ref, rstd_ref = mamba_decode_step_deferred_norm_ref(**deferred_args(r))
+        u, sums = mamba_decode_step_deferred_norm(**deferred_args(a), arrivals=arrivals)
+        u_ref, sums_ref = mamba_decode_step_deferred_norm_ref(**deferred_args(r))
+        rstd, rstd_ref = sums.rstd(), sums_ref.rstd()
         assert not arrivals.any(), f"step {step}: counters"
         assert torch.equal(a["conv_state"], args["conv_state"]), f"step {step}: conv state"
         assert torch.equal(a["ssm_state"], args["ssm_state"]), f"step {step}: ssm state vs normalising step"
@@ -155,6 +160,7 @@ def test_deferred_norm_step(shape, nb):
         torch.testing.assert_close(rstd, rstd_ref, rtol=8e-3, atol=0)
         assert_close(u.float() * rstd[:, None], out.float(), BF16_TOL, f"step {step}: u * rstd vs normalised")
         args["zxbcdt"] = torch.randn_like(args["zxbcdt"], dtype=torch.float32).to(BF16)
+        args["cache_lens"] = args["cache_lens"] + 1
 
 
 @gpu
@@ -162,7 +168,7 @@ def test_deferred_norm_step(shape, nb):
 @pytest.mark.parametrize("nb", [1, 16, 128])
 def test_gate_only_step(shape, nb):
     """The step without a norm (FalconH1): y * silu(z) equal to its twin, the same states as the
-    normalising step; repeated steps at large batch for the last program's window hand-off."""
+    normalising step; repeated steps at large batch (no program waits for another here)."""
     args = case(shape, nb, seed=nb + 11)
     arrivals = torch.zeros(nb, dtype=torch.int32, device=DEV)
     for step in range(STEPS if nb == NB_LARGE else 3):
@@ -180,6 +186,7 @@ def test_gate_only_step(shape, nb):
         assert_state_close(a["ssm_state"], r["ssm_state"], update, f"step {step}: ssm state vs twin")
         assert_close(out, ref, BF16_TOL, f"step {step}: out")
         args["zxbcdt"] = torch.randn_like(args["zxbcdt"], dtype=torch.float32).to(BF16)
+        args["cache_lens"] = args["cache_lens"] + 1
 
 
 @gpu
@@ -196,6 +203,7 @@ def test_fused_step_in_a_cuda_graph():
     for step in range(5):
         new = case("mamba2-2.7b", 4, seed=10 + step)
         static["zxbcdt"].copy_(new["zxbcdt"])
+        static["cache_lens"].add_(1)
         r_conv, r_ssm = static["conv_state"].clone(), static["ssm_state"].clone()
         update = update_size(static)
         ref = mamba_decode_step_ref(**{**static, "conv_state": r_conv, "ssm_state": r_ssm})

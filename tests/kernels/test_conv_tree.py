@@ -1,5 +1,7 @@
 """Tree causal conv, conv-state commit and prefill conv: Triton (interpreted) vs reference vs a float64
-per-node oracle (the ordinary 1-D causal conv over [committed state | root-to-node path inputs])."""
+per-node oracle (the ordinary 1-D causal conv over [committed window | root-to-node path inputs]).
+Conv states are rings (kernels/conv_tree.py) of slots at random committed lengths, small ones
+included, so windows wrap around the ring and reach before the first token."""
 from __future__ import annotations
 
 import random
@@ -17,8 +19,14 @@ _fix_interpreter()
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
 
 
+def _window(ring: torch.Tensor, n: int) -> torch.Tensor:
+    """ring (D, W) of a slot at committed length n -> its last W-1 inputs (D, W-1), oldest first."""
+    W = ring.shape[1]
+    return torch.stack([ring[:, (n - (W - 1) + j) % W] for j in range(W - 1)], dim=1) if W > 1 else ring[:, :0]
+
+
 def _oracle_conv(state: torch.Tensor, inputs: torch.Tensor, weight, bias) -> torch.Tensor:
-    """SiLU(causal conv) of the last input. state (D, W-1), inputs (n, D) -> (D,) float64."""
+    """SiLU(causal conv) of the last input. state (D, W-1) window, inputs (n, D) -> (D,) float64."""
     seq = torch.cat([state.double(), inputs.double().t()], dim=1)
     b = bias.double() if bias is not None else None
     y = F.conv1d(seq[None], weight.double()[:, None, :], b, groups=weight.shape[0])[0, :, -1]
@@ -34,8 +42,9 @@ def _batch(kinds_sizes, D, W, dtype, seed, S=7):
     xbc = torch.randn(T, D, generator=gen).to(dtype)
     weight = (torch.randn(D, W, generator=gen) * 0.5).to(dtype)
     bias = torch.randn(D, generator=gen).to(dtype)
-    state = torch.randn(S, D, max(W - 1, 0), generator=gen).to(dtype)
-    return parents, cu, max_nodes, lists, slots, xbc, weight, bias, state
+    state = torch.randn(S, D, W, generator=gen).to(dtype)
+    lens = torch.tensor([rng.choice([0, 1, 2, 3, rng.randrange(4, 90)]) for _ in lists], dtype=torch.int32)
+    return parents, cu, max_nodes, lists, slots, lens, xbc, weight, bias, state
 
 
 MIXED = [(1, "single"), (5, "chain"), (6, "star"), (9, "deep"), (7, "random"), (8, "bushy")]
@@ -44,27 +53,27 @@ MIXED = [(1, "single"), (5, "chain"), (6, "star"), (9, "deep"), (7, "random"), (
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("W,D,with_bias", [(4, 37, True), (3, 300, False), (2, 19, True), (1, 16, True)])
 def test_tree_conv1d_matches_oracle(dtype, W, D, with_bias):
-    parents, cu, max_nodes, lists, slots, xbc, weight, bias, state = _batch(MIXED + [(20, "chain")], D, W, dtype, 1)
+    parents, cu, max_nodes, lists, slots, lens, xbc, weight, bias, state = _batch(MIXED + [(20, "chain")], D, W, dtype, 1)
     bias = bias if with_bias else None
     out = torch.full_like(xbc, float("nan"))
-    got = ct.tree_conv1d(xbc, weight, bias, state, parents, cu, slots, max_nodes, out=out)
-    ref = ct.tree_conv1d_ref(xbc, weight, bias, state, parents, cu, slots, max_nodes)
+    got = ct.tree_conv1d(xbc, weight, bias, state, parents, cu, slots, lens, max_nodes, out=out)
+    ref = ct.tree_conv1d_ref(xbc, weight, bias, state, parents, cu, slots, lens, max_nodes)
     assert got is out and not torch.isnan(got).any()
     torch.testing.assert_close(got.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     for b, lst in enumerate(lists):
         r0 = int(cu[b])
         for i in range(len(lst)):
             path = torch.tensor(path_to(lst, i)) + r0
-            want = _oracle_conv(state[int(slots[b])], xbc[path], weight, bias)
+            want = _oracle_conv(_window(state[int(slots[b])], int(lens[b])), xbc[path], weight, bias)
             torch.testing.assert_close(got[r0 + i].double(), want, atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
             torch.testing.assert_close(ref[r0 + i].double(), want, atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_tree_conv1d_each_kind_alone(kind):
-    parents, cu, max_nodes, lists, slots, xbc, weight, bias, state = _batch([(24, kind)], 24, 4, torch.float32, 2)
-    got = ct.tree_conv1d(xbc, weight, bias, state, parents, cu, slots, max_nodes)
-    ref = ct.tree_conv1d_ref(xbc, weight, bias, state, parents, cu, slots, max_nodes)
+    parents, cu, max_nodes, lists, slots, lens, xbc, weight, bias, state = _batch([(24, kind)], 24, 4, torch.float32, 2)
+    got = ct.tree_conv1d(xbc, weight, bias, state, parents, cu, slots, lens, max_nodes)
+    ref = ct.tree_conv1d_ref(xbc, weight, bias, state, parents, cu, slots, lens, max_nodes)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
 
 
@@ -74,13 +83,13 @@ def test_tree_conv1d_each_kind_alone(kind):
 def test_tree_conv1d_stash(fn, dtype, W, D, E):
     """The stash a verify keeps: raw <- the input (D conv channels and E carried columns), bit for bit;
     the output, written into rows of a wider buffer as a verify does, the same as without a stash."""
-    parents, cu, max_nodes, _, slots, xbc, weight, bias, state = _batch(MIXED + [(20, "chain")], D + E, W, dtype, 5)
+    parents, cu, max_nodes, _, slots, lens, xbc, weight, bias, state = _batch(MIXED + [(20, "chain")], D + E, W, dtype, 5)
     weight, bias, state = weight[:D], bias[:D], state[:, :D]
     conv = getattr(ct, fn)
     raw = torch.full_like(xbc, float("nan"))
     wide = torch.full((xbc.shape[0], D + 9), float("nan"), dtype=dtype)
-    got = conv(xbc, weight, bias, state, parents, cu, slots, max_nodes, out=wide[:, 3 : 3 + D], stash=raw)
-    plain = conv(xbc[:, :D].contiguous(), weight, bias, state, parents, cu, slots, max_nodes)
+    got = conv(xbc, weight, bias, state, parents, cu, slots, lens, max_nodes, out=wide[:, 3 : 3 + D], stash=raw)
+    plain = conv(xbc[:, :D].contiguous(), weight, bias, state, parents, cu, slots, lens, max_nodes)
     assert got.data_ptr() == wide[:, 3:].data_ptr()
     assert torch.equal(got, plain)
     assert torch.equal(raw, xbc)
@@ -88,17 +97,17 @@ def test_tree_conv1d_stash(fn, dtype, W, D, E):
 
 
 def test_tree_conv1d_stash_errors():
-    parents, cu, max_nodes, _, slots, xbc, weight, bias, state = _batch([(5, "random")], 40, 4, torch.float32, 6)
+    parents, cu, max_nodes, _, slots, lens, xbc, weight, bias, state = _batch([(5, "random")], 40, 4, torch.float32, 6)
     T = xbc.shape[0]
     for fn in (ct.tree_conv1d, ct.tree_conv1d_ref):
         with pytest.raises(ValueError, match="stash"):
-            fn(xbc, weight, bias, state, parents, cu, slots, max_nodes, stash=torch.empty(T, 39))
+            fn(xbc, weight, bias, state, parents, cu, slots, lens, max_nodes, stash=torch.empty(T, 39))
         with pytest.raises(ValueError, match="stash"):
-            fn(xbc, weight, bias, state, parents, cu, slots, max_nodes, stash=(torch.empty_like(xbc), torch.empty(T, 4)))
+            fn(xbc, weight, bias, state, parents, cu, slots, lens, max_nodes, stash=(torch.empty_like(xbc), torch.empty(T, 4)))
         with pytest.raises(ValueError, match="contiguous"):
-            fn(xbc, weight, bias, state, parents, cu, slots, max_nodes, stash=torch.empty(40, T).t())
+            fn(xbc, weight, bias, state, parents, cu, slots, lens, max_nodes, stash=torch.empty(40, T).t())
     with pytest.raises(ValueError, match="columns"):
-        ct.tree_conv1d(xbc, weight[:39], bias[:39], state[:, :39], parents, cu, slots, max_nodes)
+        ct.tree_conv1d(xbc, weight[:39], bias[:39], state[:, :39], parents, cu, slots, lens, max_nodes)
 
 
 def _commit_rows(lens, K, R, gen):
@@ -113,26 +122,35 @@ def _commit_rows(lens, K, R, gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("W", [4, 3, 2])
+@pytest.mark.parametrize("W", [4, 3, 2, 1])
 def test_conv_state_commit(dtype, W):
+    """Each ring takes its path's last min(k, W) inputs, each in its position's column; the other
+    columns and slots keep their values; the window after the commit is the last W-1 inputs of
+    [window before | path]. Two no-op items on one slot (as padded graph rows are) change nothing."""
     gen = torch.Generator().manual_seed(3)
-    S, D, K, R = 8, 37, 6, 30
-    lens = [1, 2, 3, 6, 4, 0]
-    slots = torch.tensor([5, 0, 7, 2, 3, 6], dtype=torch.int32)
-    state = torch.randn(S, D, W - 1, generator=gen).to(dtype)
+    S, D, K, R = 9, 37, 6, 30
+    plen = [1, 2, 3, 6, 4, 0, 0, 5]
+    slots = torch.tensor([5, 0, 7, 2, 3, 8, 8, 1], dtype=torch.int32)
+    lens = torch.tensor([0, 1, 2, 7, 30, 4, 9, 3], dtype=torch.int32)
+    state = torch.randn(S, D, W, generator=gen).to(dtype)
     xbc = torch.randn(R, D + 5, generator=gen).to(dtype)[:, :D]  # rows of a wider buffer, as the stash
-    rows = _commit_rows(lens, K, R, gen)
+    rows = _commit_rows(plen, K, R, gen)
     xbc[0] = float("nan")  # the row table's padding: never read
-    path_len = torch.tensor(lens, dtype=torch.int32)
+    path_len = torch.tensor(plen, dtype=torch.int32)
     got, ref = state.clone(), state.clone()
-    ct.conv_state_commit(got, slots, xbc, rows, path_len)
-    ct.conv_state_commit_ref(ref, slots, xbc, rows, path_len)
+    ct.conv_state_commit(got, slots, xbc, rows, path_len, lens)
+    ct.conv_state_commit_ref(ref, slots, xbc, rows, path_len, lens)
     assert torch.equal(got, ref)
     untouched = [s for s in range(S) if s not in slots.tolist()]
     assert torch.equal(got[untouched], state[untouched])
-    for b, n in enumerate(lens):
-        seq = torch.cat([state[int(slots[b])], xbc[rows[b, :n]].t()], dim=1)
-        assert torch.equal(got[int(slots[b])], seq[:, -(W - 1):])
+    for b, k in enumerate(plen):
+        s, n = int(slots[b]), int(lens[b])
+        want = state[s].clone()
+        for i in range(max(0, k - W), k):
+            want[:, (n + i) % W] = xbc[rows[b, i]]
+        assert torch.equal(got[s], want), f"item {b}"
+        seq = torch.cat([_window(state[s], n), xbc[rows[b, :k]].t()], dim=1)
+        assert torch.equal(_window(got[s], n + k), seq[:, seq.shape[1] - (W - 1):])
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
@@ -141,39 +159,45 @@ def test_conv_state_commit_layers_at_once(impl):
     commit = getattr(ct, "conv_state_commit" + ("" if impl == "triton" else "_ref"))
     gen = torch.Generator().manual_seed(11)
     S, L, D, W, K, R = 5, 3, 19, 4, 4, 12
-    lens = [2, 4, 1]
+    plen = [2, 4, 1]
     slots = torch.tensor([4, 1, 2], dtype=torch.int32)
-    state = torch.randn(S, L, D, W - 1, generator=gen)
+    lens = torch.tensor([5, 0, 2], dtype=torch.int32)
+    state = torch.randn(S, L, D, W, generator=gen)
     xbc = torch.randn(R, L, D + 3, generator=gen)[..., :D]
-    rows = _commit_rows(lens, K, R, gen)
-    path_len = torch.tensor(lens, dtype=torch.int32)
+    rows = _commit_rows(plen, K, R, gen)
+    path_len = torch.tensor(plen, dtype=torch.int32)
     got = state.clone()
-    commit(got, slots, xbc, rows, path_len)
+    commit(got, slots, xbc, rows, path_len, lens)
     for layer in range(L):
         want = state[:, layer].clone()
-        ct.conv_state_commit_ref(want, slots, xbc[:, layer], rows, path_len)
+        ct.conv_state_commit_ref(want, slots, xbc[:, layer], rows, path_len, lens)
         assert torch.equal(got[:, layer], want), f"layer {layer}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("L", [1, 2, 3, 21])
-@pytest.mark.parametrize("with_state", [False, True])
-def test_conv1d_prefill(dtype, L, with_state):
+@pytest.mark.parametrize("start", [None, 0, 2, 9])
+def test_conv1d_prefill(dtype, L, start):
+    """A prompt from a fresh slot (None) or continuing a ring at committed length `start`."""
     gen = torch.Generator().manual_seed(L)
     D, W = 37, 4
     xbc = torch.randn(L, D, generator=gen).to(dtype)
     weight = torch.randn(D, W, generator=gen).to(dtype)
     bias = torch.randn(D, generator=gen).to(dtype)
-    init = torch.randn(D, W - 1, generator=gen).to(dtype) if with_state else None
-    out, new_state = ct.conv1d_prefill(xbc, weight, bias, init)
-    out_ref, state_ref = ct.conv1d_prefill_ref(xbc, weight, bias, init)
+    init = torch.randn(D, W, generator=gen).to(dtype) if start is not None else None
+    n = start or 0
+    out, new_state = ct.conv1d_prefill(xbc, weight, bias, init, n)
+    out_ref, state_ref = ct.conv1d_prefill_ref(xbc, weight, bias, init, n)
     torch.testing.assert_close(out.float(), out_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(new_state, state_ref)
-    base = init if init is not None else torch.zeros(D, W - 1, dtype=dtype)
+    ring = init if init is not None else torch.zeros(D, W, dtype=dtype)
     for t in range(L):
-        want = _oracle_conv(base, xbc[: t + 1], weight, bias)
+        want = _oracle_conv(_window(ring, n), xbc[: t + 1], weight, bias)
         torch.testing.assert_close(out[t].double(), want, atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
-    assert torch.equal(new_state, torch.cat([base, xbc.t()], dim=1)[:, -(W - 1):])
+    want_state = ring.clone()
+    for p in range(max(n, n + L - W), n + L):
+        want_state[:, p % W] = xbc[p - n]
+    assert torch.equal(new_state, want_state)
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
@@ -186,9 +210,9 @@ def test_commit_then_decode_equals_sequential(impl):
     prefill = getattr(ct, "conv1d_prefill" + suffix)
     rng = random.Random(4)
     D, W, S = 21, 4, 4
-    parents, cu, max_nodes, lists, slots, xbc, weight, bias, state = _batch(
-        [(11, "random"), (9, "deep")], D, W, torch.float32, 4, S=S)
-    tree_out = tree_conv1d(xbc, weight, bias, state, parents, cu, slots, max_nodes)
+    parents, cu, max_nodes, lists, slots, lens, xbc, weight, bias, state = _batch(
+        [(11, "random"), (9, "deep"), (6, "chain")], D, W, torch.float32, 4, S=S)
+    tree_out = tree_conv1d(xbc, weight, bias, state, parents, cu, slots, lens, max_nodes)
     branches = [random_branch(lst, rng) for lst in lists]
     K = max(len(p) for p in branches)
     rows = torch.zeros(len(lists), K, dtype=torch.int64)
@@ -196,24 +220,33 @@ def test_commit_then_decode_equals_sequential(impl):
         rows[b, : len(p)] = int(cu[b]) + torch.tensor(p)
     xbc_path = xbc[rows]
     committed = state.clone()
-    commit(committed, slots, xbc, rows, torch.tensor([len(p) for p in branches], dtype=torch.int32))
+    path_len = torch.tensor([len(p) for p in branches], dtype=torch.int32)
+    commit(committed, slots, xbc, rows, path_len, lens)
 
     bonus = torch.randn(len(lists), D, generator=torch.Generator().manual_seed(5))
     one = torch.tensor([-1] * len(lists), dtype=torch.int32)
     cu1 = torch.arange(len(lists) + 1, dtype=torch.int32)
-    decoded = tree_conv1d(bonus, weight, bias, committed, one, cu1, slots, 1)
+    decoded = tree_conv1d(bonus, weight, bias, committed, one, cu1, slots, lens + path_len, 1)
     for b, p in enumerate(branches):
-        s = int(slots[b])
+        s, n = int(slots[b]), int(lens[b])
         seq_state = state[s].clone()
         for t, node in enumerate(p):  # one token at a time, through the single-node tree path
             step = tree_conv1d(xbc_path[b, t : t + 1], weight, bias, seq_state[None], one[:1], cu1[:2],
-                               torch.zeros(1, dtype=torch.int32), 1)
+                               torch.zeros(1, dtype=torch.int32), torch.tensor([n + t], dtype=torch.int32), 1)
             torch.testing.assert_close(step[0], tree_out[int(cu[b]) + node], atol=2e-5, rtol=2e-5)
-            seq_state = torch.cat([seq_state, xbc_path[b, t : t + 1].t()], dim=1)[:, 1:]
+            seq_state[:, (n + t) % W] = xbc_path[b, t]
         assert torch.equal(committed[s], seq_state)
-        pre_out, pre_state = prefill(torch.cat([xbc_path[b, : len(p)], bonus[b : b + 1]]), weight, bias, state[s])
+        pre_out, pre_state = prefill(torch.cat([xbc_path[b, : len(p)], bonus[b : b + 1]]), weight, bias, state[s], n)
         torch.testing.assert_close(decoded[b], pre_out[-1], atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(pre_out[:-1], tree_out[int(cu[b]) + torch.tensor(p)], atol=2e-5, rtol=2e-5)
+
+
+def test_ring_shape_errors():
+    parents, cu, max_nodes, _, slots, lens, xbc, weight, bias, state = _batch([(5, "random")], 40, 4, torch.float32, 6)
+    with pytest.raises(ValueError, match="ring"):
+        ct.tree_conv1d(xbc, weight, bias, state[..., :3].contiguous(), parents, cu, slots, lens, max_nodes)
+    with pytest.raises(ValueError, match="ring"):
+        ct.conv1d_prefill(xbc, weight, bias, state[0, :, :3].contiguous(), 2)
 
 
 def test_compiles_for_sm90():
@@ -223,17 +256,17 @@ def test_compiles_for_sm90():
 
     specs = []
     for trees in (MIXED, [(1, "single")] * 3):  # 16-row tiles; one-row tiles with wide channel blocks
-        parents, cu, max_nodes, lists, slots, xbc, weight, bias, state = _batch(trees, 300, 4, torch.bfloat16, 6)
+        parents, cu, max_nodes, lists, slots, lens, xbc, weight, bias, state = _batch(trees, 300, 4, torch.bfloat16, 6)
         with record_launches(ct._tree_conv1d_kernel) as a:
-            ct.tree_conv1d(xbc, weight, bias, state, parents, cu, slots, max_nodes)
+            ct.tree_conv1d(xbc, weight, bias, state, parents, cu, slots, lens, max_nodes)
             out = torch.empty(xbc.shape[0], 290, dtype=xbc.dtype)[:, :280]  # as a verify calls it
-            ct.tree_conv1d(xbc, weight[:280], bias[:280], state[:, :280], parents, cu, slots, max_nodes, out=out,
+            ct.tree_conv1d(xbc, weight[:280], bias[:280], state[:, :280], parents, cu, slots, lens, max_nodes, out=out,
                            stash=torch.empty_like(xbc))
         specs += [launch_spec(ct._tree_conv1d_kernel, *call) for call in a]
     with record_launches(ct._conv_commit_kernel) as b, record_launches(ct._conv_prefill_kernel) as c:
         ct.conv_state_commit(state, slots, xbc, torch.zeros(len(lists), 3, dtype=torch.int64),
-                             torch.ones(len(lists), dtype=torch.int32))
-        ct.conv1d_prefill(xbc[:5], weight, bias, state[0])
+                             torch.ones(len(lists), dtype=torch.int32), lens)
+        ct.conv1d_prefill(xbc[:5], weight, bias, state[0], 3)
     specs += [launch_spec(ct._conv_commit_kernel, *b[0]), launch_spec(ct._conv_prefill_kernel, *c[0])]
     for spec, result in zip(specs, compile_sm90(specs)):
         assert result["ok"], (spec["name"], result["error"])

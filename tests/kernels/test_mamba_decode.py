@@ -1,7 +1,8 @@
 """The fused Mamba2 decode step: Triton (interpreted) vs its PyTorch twin (the unfused composition of
 tree_conv1d, conv_state_commit, ssm_chain_update and gated_rms_norm) vs a float64 oracle, and vs the
 unfused Triton kernels. Interpreted programs run one after another, so the "last arriver" epilogue
-runs here, but races between programs only show on a GPU (tests/gpu/test_fused_decode_gpu.py)."""
+runs here, but races between programs only show on a GPU (tests/gpu/test_fused_decode_gpu.py).
+Conv states are rings at random committed lengths (kernels/conv_tree.py), small ones included."""
 from __future__ import annotations
 
 import pytest
@@ -38,9 +39,11 @@ def step_case(nb, H, P, N, G, W, seed, dtype=F32, slots=6, conv_bias=True, with_
     A, D, dt_bias = layer_weights(H, gen)
     zxbcdt = rand(gen, nb, d_inner + conv_dim + H, dtype=dtype)
     zxbcdt[:, -H:] += dt_shift
+    lens = [0, 1, 2, 3, 7, 40, 41, 42, 43]
     return dict(
-        zxbcdt=zxbcdt, conv_state=rand(gen, slots, conv_dim, W - 1, dtype=dtype), ssm_state=rand(gen, slots, H, P, N),
+        zxbcdt=zxbcdt, conv_state=rand(gen, slots, conv_dim, W, dtype=dtype), ssm_state=rand(gen, slots, H, P, N),
         slot_idx=torch.randperm(slots, generator=gen)[:nb].to(torch.int32),
+        cache_lens=torch.tensor([lens[i] for i in torch.randint(len(lens), (nb,), generator=gen)], dtype=torch.int32),
         conv_weight=rand(gen, conv_dim, W, dtype=dtype, scale=0.5),
         conv_bias=rand(gen, conv_dim, dtype=dtype) if conv_bias else None, A=A, D=D if with_D else None,
         dt_bias=dt_bias, dt_limit=dt_limit, norm_weight=rand(gen, d_inner, dtype=dtype),
@@ -48,17 +51,24 @@ def step_case(nb, H, P, N, G, W, seed, dtype=F32, slots=6, conv_bias=True, with_
     )
 
 
+def ring_window(ring: torch.Tensor, n: int) -> torch.Tensor:
+    """ring (D, W) at committed length n -> its last W-1 inputs (D, W-1), oldest first."""
+    W = ring.shape[1]
+    return ring[:, [(n - (W - 1) + j) % W for j in range(W - 1)]]
+
+
 def oracle(args):
-    """(out (B, d_inner), new conv states (B, conv_dim, W-1), new SSM states (B, H, P, N), the gated
+    """(out (B, d_inner), new conv rings (B, conv_dim, W), new SSM states (B, H, P, N), the gated
     value y * silu(z) (B, d_inner)) in float64, straight from the definitions (no rounding anywhere)."""
     _, H, P, N = args["ssm_state"].shape
     d_inner = H * P
     conv_dim, W = args["conv_weight"].shape
     step = Mamba2Step(args["A"], args["D"], args["dt_bias"], args["dt_limit"])
     outs, convs, ssms, gates = [], [], [], []
-    for b, slot in enumerate(args["slot_idx"].tolist()):
+    for b, (slot, n) in enumerate(zip(args["slot_idx"].tolist(), args["cache_lens"].tolist())):
         z, xbc, dt = args["zxbcdt"][b].double().split([d_inner, conv_dim, H])
-        window = torch.cat([args["conv_state"][slot].double(), xbc[:, None]], dim=1)  # (conv_dim, W)
+        ring = args["conv_state"][slot].double()
+        window = torch.cat([ring_window(ring, n), xbc[:, None]], dim=1)  # (conv_dim, W)
         conv = (window * args["conv_weight"].double()).sum(1)
         if args["conv_bias"] is not None:
             conv = conv + args["conv_bias"].double()
@@ -68,7 +78,9 @@ def oracle(args):
         g = gates[-1].view(-1, args["norm_group_size"])
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + args["norm_eps"])
         outs.append(g.reshape(-1) * args["norm_weight"].double())
-        convs.append(window[:, 1:])
+        ring = ring.clone()
+        ring[:, n % W] = xbc
+        convs.append(ring)
         ssms.append(h)
     return torch.stack(outs), torch.stack(convs), torch.stack(ssms), torch.stack(gates)
 
@@ -111,12 +123,17 @@ def deferred_args(args):
 
 def check_deferred(args, dtype, want_out, fused):
     """The deferred-norm step: u * rstd is the normalised output (oracle), Triton equals its twin,
-    and both states advance exactly as in the normalising step `fused` (Triton)."""
+    and both states advance exactly as in the normalising step `fused` (Triton). Its scale comes as
+    partial sums of squares, one per program; the rstd they give is the twin's."""
     arrivals = torch.zeros(args["zxbcdt"].shape[0], dtype=torch.int32)
-    (u, rstd), conv, ssm = run(mamba_decode_step_deferred_norm, deferred_args(args), arrivals=arrivals)
-    (u_ref, rstd_ref), conv_ref, ssm_ref = run(mamba_decode_step_deferred_norm_ref, deferred_args(args))
-    assert not arrivals.any(), "arrival counters must return to zero"
-    assert rstd.dtype == torch.float32 and rstd.shape == (args["zxbcdt"].shape[0],)
+    (u, sums), conv, ssm = run(mamba_decode_step_deferred_norm, deferred_args(args), arrivals=arrivals)
+    (u_ref, sums_ref), conv_ref, ssm_ref = run(mamba_decode_step_deferred_norm_ref, deferred_args(args))
+    assert not arrivals.any(), "the deferred step counts no arrivals"
+    nb, (_, H, P, _) = args["zxbcdt"].shape[0], args["ssm_state"].shape
+    assert sums.parts.dtype == torch.float32 and sums.parts.shape[0] == nb and sums.parts.shape[1] >= H
+    assert not sums.parts.isnan().any(), "every program writes its partial sum"
+    assert sums.count == sums_ref.count == H * P and sums.eps == sums_ref.eps == args["norm_eps"]
+    rstd, rstd_ref = sums.rstd(), sums_ref.rstd()
     assert u.dtype == fused[0].dtype
     for uu, rr, name in ((u, rstd, "triton"), (u_ref, rstd_ref, "twin")):
         assert_close(uu.double() * rr.double()[:, None], want_out, TOL[dtype], f"{name} deferred u * rstd vs oracle")
@@ -193,8 +210,9 @@ def test_equals_unfused_triton_kernels():
     z, xbc, dt = args["zxbcdt"].split([d_inner, conv_dim, H], dim=-1)
     one = torch.ones(nb, dtype=torch.int32)
     cu = torch.arange(nb + 1, dtype=torch.int32)
-    conv_out = conv_tree.tree_conv1d(xbc, args["conv_weight"], args["conv_bias"], conv, -one, cu, args["slot_idx"], 1)
-    conv_tree.conv_state_commit(conv, args["slot_idx"], xbc, cu[:-1, None], one)
+    conv_out = conv_tree.tree_conv1d(xbc, args["conv_weight"], args["conv_bias"], conv, -one, cu, args["slot_idx"],
+                                     args["cache_lens"], 1)
+    conv_tree.conv_state_commit(conv, args["slot_idx"], xbc, cu[:-1, None], one, args["cache_lens"])
     x, B, C = conv_out.split([d_inner, 2 * N, 2 * N], dim=-1)
     y = ssm_decode.ssm_chain_update(
         ssm, args["slot_idx"], x.reshape(nb, 1, H, P), dt[:, None], args["A"], B.reshape(nb, 1, 2, N),
@@ -207,16 +225,17 @@ def test_equals_unfused_triton_kernels():
 
 
 def test_consecutive_steps_and_strided_layer_views():
-    """Three steps on per-layer views of (S, layers, ...) pools, as the model passes them; the other
-    layer is untouched and one arrival buffer serves every step."""
+    """Five steps on per-layer views of (S, layers, ...) pools, as the model passes them (the rings
+    wrap); the other layer is untouched and one arrival buffer serves every step."""
     nb, H, P, N, G, W, S = 2, 4, 16, 16, 2, 4, 5
-    conv_pool = rand(torch.Generator().manual_seed(1), S, 2, H * P + 2 * G * N, W - 1)
+    conv_pool = rand(torch.Generator().manual_seed(1), S, 2, H * P + 2 * G * N, W)
     ssm_pool = rand(torch.Generator().manual_seed(2), S, 2, H, P, N)
     pools = {"triton": (conv_pool.clone(), ssm_pool.clone()), "twin": (conv_pool.clone(), ssm_pool.clone())}
     arrivals = torch.zeros(4, dtype=torch.int32)
-    for step in range(3):
+    for step in range(5):
         args = step_case(nb, H, P, N, G, W, seed=20 + step, slots=S)
         args["slot_idx"] = torch.tensor([3, 0], dtype=torch.int32)
+        args["cache_lens"] = torch.tensor([step, 9 + step], dtype=torch.int32)
         outs = {}
         for name, fn in (("triton", mamba_decode_step), ("twin", mamba_decode_step_ref)):
             conv, ssm = pools[name]
@@ -235,7 +254,8 @@ def test_padded_rows_share_the_scratch_slot():
     slots are unaffected, and the counters still return to zero."""
     args = step_case(5, 4, 16, 16, 2, 4, seed=11, slots=7)
     args["slot_idx"] = torch.tensor([2, 5, 6, 6, 6], dtype=torch.int32)  # slot 6 is scratch
-    real = dict(args, zxbcdt=args["zxbcdt"][:2], slot_idx=args["slot_idx"][:2])
+    args["cache_lens"] = torch.tensor([5, 2, 0, 0, 0], dtype=torch.int32)
+    real = dict(args, zxbcdt=args["zxbcdt"][:2], slot_idx=args["slot_idx"][:2], cache_lens=args["cache_lens"][:2])
     arrivals = torch.zeros(5, dtype=torch.int32)
     out, conv, ssm = run(mamba_decode_step, args, arrivals=arrivals)
     want_out, want_conv, want_ssm = run(mamba_decode_step_ref, real)
@@ -253,10 +273,10 @@ def test_refuses_what_it_cannot_do():
         mamba_decode_step(**args, arrivals=torch.zeros(1, dtype=torch.int32))
     with pytest.raises(ValueError, match="columns"):
         mamba_decode_step(**dict(args, zxbcdt=args["zxbcdt"][:, 1:]))
-    with pytest.raises(ValueError, match="arrivals"):
-        mamba_decode_step_deferred_norm(**deferred_args(args), arrivals=torch.zeros(1, dtype=torch.int32))
-    with pytest.raises(ValueError, match="arrivals"):
-        mamba_decode_step_gate_only(**gate_only_args(args), arrivals=torch.zeros(1, dtype=torch.int32))
+    for step in (mamba_decode_step, mamba_decode_step_deferred_norm, mamba_decode_step_gate_only):
+        with pytest.raises(ValueError, match="rings"):
+            kw = {k: v for k, v in args.items() if k in step.__code__.co_varnames}
+            step(**dict(kw, conv_state=args["conv_state"][..., 1:].contiguous()))
 
 
 def test_compiles_for_sm90():

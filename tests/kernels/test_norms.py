@@ -59,21 +59,27 @@ def test_add_rms_norm(h_dt, o_dt, w_dt, norm_dt, T, d, mult):
 
 @pytest.mark.parametrize("h_dt,o_dt,w_dt,norm_dt", DTYPES)
 def test_add_rms_norm_with_row_scale(h_dt, o_dt, w_dt, norm_dt):
-    """A deferred gated norm's rstd scales each row of out (in out's dtype) before the add."""
+    """A deferred gated norm's rstd, from its partial sums of squares (37 per row, as many programs
+    leave them), scales each row of out (in out's dtype) before the add."""
     gen = torch.Generator().manual_seed(11)
-    T, d = 4, 96
+    T, d, count = 4, 96, 5000
     h, out = _rand(gen, T, d, dtype=h_dt, scale=3.0), _rand(gen, T, d, dtype=o_dt, scale=20.0)
-    scale = torch.rand(T, generator=gen) * 0.1 + 0.01
+    sums = norms.SumOfSquares(torch.rand(T, 37, generator=gen) * 1e4, count, 1e-5)
     weight = _rand(gen, d, dtype=w_dt)
-    got_h, got_x = norms.add_rms_norm(h, out, weight, 1e-5, 0.5, norm_dt, out_scale=scale)
-    ref_h, ref_x = norms.add_rms_norm_ref(h, out, weight, 1e-5, 0.5, norm_dt, out_scale=scale)
-    assert torch.equal(got_h, ref_h), "residual sum"
-    _assert_same(got_x, ref_x, "normalised")
-    want_h = h.double() + 0.5 * out.double() * scale.double()[:, None]
+    got_h, got_x = norms.add_rms_norm(h, out, weight, 1e-5, 0.5, norm_dt, out_scale=sums)
+    ref_h, ref_x = norms.add_rms_norm_ref(h, out, weight, 1e-5, 0.5, norm_dt, out_scale=sums)
+    rstd = torch.rsqrt(sums.parts.double().sum(1) / count + 1e-5)
+    want_h = h.double() + 0.5 * out.double() * rstd[:, None]
     tol = 2e-6 if {h_dt, o_dt} == {F32} else 2e-3
-    torch.testing.assert_close(got_h.double(), want_h, rtol=tol, atol=tol * want_h.abs().max().item())
+    for got, name in ((got_h, "kernel"), (ref_h, "twin")):
+        torch.testing.assert_close(got.double(), want_h, rtol=tol, atol=tol * want_h.abs().max().item(), msg=name)
+    # the kernel adds the parts in another order than the twin: at most a last-bit difference in rstd
+    torch.testing.assert_close(got_h.float(), ref_h.float(), rtol=tol, atol=tol * ref_h.abs().max().item())
+    torch.testing.assert_close(got_x.float(), ref_x.float(), rtol=tol, atol=tol)
     with pytest.raises(ValueError, match="out_scale"):
-        norms.add_rms_norm(h, out, weight, 1e-5, out_scale=scale[:2])
+        norms.add_rms_norm(h, out, weight, 1e-5, out_scale=norms.SumOfSquares(sums.parts[:2], count, 1e-5))
+    with pytest.raises(ValueError, match="out_scale"):
+        norms.add_rms_norm(h, out, weight, 1e-5, out_scale=norms.SumOfSquares(sums.parts.double(), count, 1e-5))
 
 
 def test_deferred_gated_norm_twin_is_the_norm():
@@ -82,9 +88,9 @@ def test_deferred_gated_norm_twin_is_the_norm():
     T, d = 3, 64
     y, z, weight = _rand(gen, T, d), _rand(gen, T, d), _rand(gen, d)
     W = _rand(gen, 16, d)
-    u, rstd = norms.gated_rms_norm_deferred_ref(y, z, weight, 1e-5, F32)
+    u, sums = norms.gated_rms_norm_deferred_ref(y, z, weight, 1e-5, F32)
     want = norms.gated_rms_norm_ref(y, z, weight, d, 1e-5, F32) @ W.T
-    torch.testing.assert_close(rstd[:, None] * (u @ W.T), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sums.rstd()[:, None] * (u @ W.T), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [F32, F16])

@@ -1,5 +1,5 @@
 """Hybrid-model runtime: load a Hugging Face checkpoint (Mamba2, NemotronH, Bamba, GraniteMoeHybrid,
-FalconH1), keep per-sequence state in slots, and run batched prefill / decode / tree verification /
+FalconH1, Zamba2), keep per-sequence state in slots, and run batched prefill / decode / tree verification /
 commit (docs/internals.md).
 
 Names are imported on first use, so `import models.<submodule>` stays light.
@@ -19,6 +19,7 @@ _EXPORTS = {
     "MLPSpec": "models.config",
     "MoESpec": "models.config",
     "ParallelSpec": "models.config",
+    "SharedAttentionSpec": "models.config",
     "CheckpointError": "models.errors",
     "SequenceTooLong": "models.errors",
     "SlotsExhausted": "models.errors",

@@ -4,11 +4,13 @@ A hybrid model is a token embedding, a list of pre-norm residual *blocks* and a 
 head. Each block is `h = h + mixer(rmsnorm(h))` with one of five mixers: a Mamba2 mixer, an
 attention mixer, a dense MLP, a mixture of experts, or a parallel mixer (a Mamba2 mixer and an
 attention side by side on the same input, outputs summed: FalconH1). Architectures whose decoder
-layer holds two sublayers (Bamba: mixer then MLP) become two blocks.
+layer holds two sublayers (Bamba: mixer then MLP) become two blocks. One block kind bends the rule:
+a shared-attention block (Zamba2) adds a transformer's output, computed from the residual stream and
+the token embeddings, to its Mamba2 mixer's input before the norm (`SharedAttentionSpec`).
 
-Stateful sublayers (every Mamba2 mixer and every attention, the halves of a parallel mixer
-included) are numbered per kind in block order by `HybridConfig.state_layers`: the index of a
-layer's state in the StatePool and its verify stash.
+Stateful sublayers (every Mamba2 mixer and every attention, the halves of a parallel mixer and the
+attention of a shared-attention block included) are numbered per kind in block order by
+`HybridConfig.state_layers`: the index of a layer's state in the StatePool and its verify stash.
 """
 from __future__ import annotations
 
@@ -150,7 +152,30 @@ class ParallelSpec:
     kind: str = field(default="parallel", init=False)
 
 
-MixerSpec = Union[MambaSpec, AttentionSpec, MLPSpec, MoESpec, ParallelSpec]
+@dataclass(frozen=True)
+class SharedAttentionSpec:
+    """A Mamba2 block whose mixer input also receives a transformer's output (Zamba2's hybrid layer).
+
+    The transformer reads the residual stream h and the token embeddings e side by side, (T, 2 * d_model),
+    and has no residual adds of its own; its output joins the mixer's input inside the block's norm,
+    never the residual stream:
+
+        t = proj(mlp(rmsnorm(attention(rmsnorm(h | e)))))      (T, d_model)
+        h = h + mamba(rmsnorm(h + t))
+
+    `attention` reads 2 * d_model features and writes d_model; `mlp` works at d_model; proj is
+    d_model -> d_model without bias. The block's own norm is the one before the mixer. In the
+    checkpoint the transformer's weights are shared between blocks (plus per-block low-rank adapters);
+    here every block holds its own folded copy (models/arch/zamba2.py says why), and its own K/V.
+    """
+
+    mamba: MambaSpec
+    attention: AttentionSpec
+    mlp: MLPSpec
+    kind: str = field(default="shared_attention", init=False)
+
+
+MixerSpec = Union[MambaSpec, AttentionSpec, MLPSpec, MoESpec, ParallelSpec, SharedAttentionSpec]
 StatefulSpec = Union[MambaSpec, AttentionSpec]
 
 
@@ -160,6 +185,8 @@ def stateful_sublayers(spec: MixerSpec) -> tuple[StatefulSpec, ...]:
         return (spec,)
     if isinstance(spec, ParallelSpec):
         return (spec.mamba, spec.attention)
+    if isinstance(spec, SharedAttentionSpec):
+        return (spec.attention, spec.mamba)  # the order they run in
     return ()
 
 
@@ -170,7 +197,9 @@ class HybridConfig:
     Block outputs are scaled by `residual_multiplier` before the residual add, embeddings by
     `embedding_multiplier`, and logits divided by `logits_scaling` (GraniteMoeHybrid; 1 elsewhere).
     `load_scales` holds an architecture's factors that its weight map folds into the weights at load
-    time (FalconH1's multipliers), as (name, value) pairs; the forward never reads them.
+    time (FalconH1's multipliers), as (name, value) pairs; `load_layout` what else its weight map must
+    know of how the checkpoint stores the weights (Zamba2's shared blocks and adapters), likewise as
+    pairs. The forward never reads either.
     """
 
     model_type: str
@@ -188,10 +217,12 @@ class HybridConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
     load_scales: tuple[tuple[str, object], ...] = ()
+    load_layout: tuple[tuple[str, object], ...] = ()
 
     @property
     def kinds(self) -> list[str]:
-        """Mixer kind of every block: "mamba", "attention", "mlp", "moe" or "parallel"."""
+        """Mixer kind of every block: "mamba", "attention", "mlp", "moe", "parallel" or
+        "shared_attention"."""
         return [b.kind for b in self.blocks]
 
     def block_indices(self, kind: str) -> list[int]:
@@ -200,8 +231,8 @@ class HybridConfig:
     @property
     def state_layers(self) -> list[tuple[int, StatefulSpec, int]]:
         """(block, sublayer spec, state index) of every stateful sublayer. The one place that numbers
-        them: Mamba2 mixers and attentions each count from 0 in block order (within a parallel
-        block, its Mamba2 half then its attention)."""
+        them: Mamba2 mixers and attentions each count from 0 in block order (within a block, in
+        `stateful_sublayers` order)."""
         counts = {"mamba": 0, "attention": 0}
         out = []
         for b, spec in enumerate(self.blocks):
@@ -212,16 +243,19 @@ class HybridConfig:
 
     @property
     def mamba_specs(self) -> list[MambaSpec]:
-        """Every Mamba2 mixer (parallel halves included), in state-index order."""
+        """Every Mamba2 mixer (inside parallel and shared-attention blocks too), in state-index order."""
         return [sub for _, sub, _ in self.state_layers if isinstance(sub, MambaSpec)]
 
     @property
     def attention_specs(self) -> list[AttentionSpec]:
-        """Every attention (parallel halves included), in state-index order."""
+        """Every attention (inside parallel and shared-attention blocks too), in state-index order."""
         return [sub for _, sub, _ in self.state_layers if isinstance(sub, AttentionSpec)]
 
     def load_scale(self, name: str, default=1.0):
         return dict(self.load_scales).get(name, default)
+
+    def layout(self, name: str, default=None):
+        return dict(self.load_layout).get(name, default)
 
     def describe(self) -> str:
         """One line per distinct run of blocks, for logs."""

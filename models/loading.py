@@ -124,25 +124,38 @@ class StateDictSource(TensorSource):
         return self.label
 
 
+def _read(source: TensorSource, name: str, shape) -> torch.Tensor:
+    """Checkpoint tensor `name`, checked to be there and of `shape`."""
+    if name not in source:
+        raise CheckpointError("missing tensor", path=source.where(name), tensor=name)
+    t = source.get(name)
+    if tuple(t.shape) != tuple(shape):
+        raise CheckpointError(
+            f"tensor has shape {tuple(t.shape)}, the config implies {tuple(shape)}",
+            path=source.where(name),
+            tensor=name,
+        )
+    return t
+
+
 def gather_weights(
     wmap: Mapping[str, Source], source: TensorSource, target_shapes: Mapping[str, torch.Size]
 ) -> dict[str, torch.Tensor]:
     """Build every runtime parameter (CPU or source device, source dtype; fp32 where the source
-    folds row scales in) from its checkpoint tensors."""
+    folds row scales or low-rank adapters in) from its checkpoint tensors."""
     out: dict[str, torch.Tensor] = {}
     for target, src in wmap.items():
         parts = []
-        for name, shape in zip(src.names, src.shapes):
-            if name not in source:
-                raise CheckpointError("missing tensor", path=source.where(name), tensor=name)
-            t = source.get(name)
-            if tuple(t.shape) != tuple(shape):
-                raise CheckpointError(
-                    f"tensor has shape {tuple(t.shape)}, the config implies {tuple(shape)}",
-                    path=source.where(name),
-                    tensor=name,
-                )
+        adapters = src.adapters or (None,) * len(src.names)
+        for name, shape, adapter in zip(src.names, src.shapes, adapters):
+            t = _read(source, name, shape)
+            if adapter is not None:  # folded low-rank adapter: in fp32, before the parameter's dtype
+                up_shape, down_shape = adapter.shapes(shape)
+                up, down = _read(source, adapter.up, up_shape), _read(source, adapter.down, down_shape)
+                t = t.float() + up.float() @ down.float()
             parts.append(t)
+        if any(adapters):  # every part in fp32, like the adapted ones
+            parts = [t.float() for t in parts]
         if len(parts) == 1 and not src.stack:
             w = parts[0]
         else:

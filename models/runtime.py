@@ -19,12 +19,22 @@ from torch import nn
 
 from models import batch as packing
 from models.batch import Packed
-from models.config import AttentionSpec, HybridConfig, MambaSpec, MLPSpec, MoESpec, ParallelSpec, stateful_sublayers
+from models.config import (
+    AttentionSpec,
+    HybridConfig,
+    MambaSpec,
+    MLPSpec,
+    MoESpec,
+    ParallelSpec,
+    SharedAttentionSpec,
+    stateful_sublayers,
+)
 from models.errors import CheckpointError
 from models.layers.attention import Attention
 from models.layers.mamba import MambaMixer
 from models.layers.mlp import MLP, MoE
 from models.layers.parallel import ParallelMixer
+from models.layers.shared_attention import SharedTransformer
 from models.layers.linear import linear
 from models.layers.norms import add_rms_norm, rms_norm
 from models.loading import (
@@ -48,12 +58,17 @@ class _Norm(nn.Module):
 
 class Block(nn.Module):
     """`h + mixer(rmsnorm(h))`; `layers` maps "mamba"/"attention" to the state index of the block's
-    sublayer of that kind (`HybridConfig.state_layers`)."""
+    sublayer of that kind (`HybridConfig.state_layers`). A shared-attention block also has `shared`,
+    the transformer whose output joins the mixer's input inside the norm: `h + mixer(rmsnorm(h + t))`."""
 
-    def __init__(self, spec, d_model: int, layers: dict[str, int], dtype, device):
+    def __init__(self, spec, d_model: int, layers: dict[str, int], norm_eps: float, dtype, device):
         super().__init__()
         self.norm = _Norm(d_model, dtype, device)
-        if isinstance(spec, MambaSpec):
+        self.shared = None
+        if isinstance(spec, SharedAttentionSpec):
+            self.shared = SharedTransformer(spec, d_model, layers["attention"], norm_eps, dtype, device)
+            self.mixer = MambaMixer(spec.mamba, d_model, layers["mamba"], dtype, device)
+        elif isinstance(spec, MambaSpec):
             self.mixer = MambaMixer(spec, d_model, layers["mamba"], dtype, device)
         elif isinstance(spec, AttentionSpec):
             self.mixer = Attention(spec, d_model, layers["attention"], dtype, device)
@@ -66,6 +81,12 @@ class Block(nn.Module):
         else:
             raise TypeError(spec)
         self.stateful = bool(stateful_sublayers(spec))
+
+    def prepare(self) -> None:
+        """Derive constants once the weights are loaded."""
+        for part in (self.mixer, self.shared):
+            if hasattr(part, "prepare"):
+                part.prepare()
 
 
 class HybridLM(nn.Module):
@@ -91,7 +112,9 @@ class HybridLM(nn.Module):
         layers: list[dict[str, int]] = [{} for _ in config.blocks]
         for b, sub, index in config.state_layers:
             layers[b][sub.kind] = index
-        self.blocks = nn.ModuleList(Block(spec, d, layers[b], dtype, device) for b, spec in enumerate(config.blocks))
+        self.blocks = nn.ModuleList(
+            Block(spec, d, layers[b], config.norm_eps, dtype, device) for b, spec in enumerate(config.blocks)
+        )
         self.norm_f = _Norm(d, dtype, device)
         if not config.tie_embeddings:
             self.lm_head = nn.Linear(d, config.vocab_size, bias=False, dtype=dtype, device=device)
@@ -174,8 +197,7 @@ class HybridLM(nn.Module):
 
     def _finish_loading(self) -> None:
         for b in self.blocks:
-            if hasattr(b.mixer, "prepare"):
-                b.mixer.prepare()
+            b.prepare()
         if self._mambas:
             self.A_all = torch.stack([m.A for m in self._mambas])  # (n_mamba, H)
             self.dt_bias_all = torch.stack([m.dt_bias.detach() for m in self._mambas])
@@ -213,15 +235,22 @@ class HybridLM(nn.Module):
     def hidden(self, mode: str, batch: Packed, stash: VerifyStash | None = None) -> torch.Tensor:
         """Final-norm hidden states (T, d_model) of every packed token; `mode` is prefill/decode/verify."""
         cfg = self.config
-        h = self.embed(batch.tokens)
-        if cfg.embedding_multiplier != 1.0:
-            h = h * cfg.embedding_multiplier
+        emb = self.embed(batch.tokens)
+        h = emb * cfg.embedding_multiplier if cfg.embedding_multiplier != 1.0 else emb
         h = h.to(self.residual_dtype)
         x = rms_norm(h, self.blocks[0].norm.weight, cfg.norm_eps, self.dtype)
         # each residual add is fused with the norm after it: the next block's, or the final norm
         after = [(b.norm.weight, cfg.norm_eps, self.dtype) for b in self.blocks[1:]]
         after.append((self.norm_f.weight, cfg.final_norm_eps, None))
         for blk, (weight, eps, norm_dtype) in zip(self.blocks, after):
+            if blk.shared is not None:
+                # the transformer reads the stream itself and the embeddings; its output joins the
+                # mixer's input, not the stream (the norm fused into the last add goes unused here)
+                if mode == "verify":
+                    t = blk.shared.verify(h, emb, batch, self.pool, stash)
+                else:
+                    t = getattr(blk.shared, mode)(h, emb, batch, self.pool)
+                _, x = add_rms_norm(h, t, blk.norm.weight, cfg.norm_eps, 1.0, self.dtype)
             if not blk.stateful:
                 out = blk.mixer(x)
             elif mode == "verify":

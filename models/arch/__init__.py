@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from models.arch import bamba, falcon_h1, granitemoehybrid, mamba2, nemotron_h
+from models.arch import bamba, falcon_h1, granitemoehybrid, mamba2, nemotron_h, zamba2
 
-_MODULES: tuple[ModuleType, ...] = (mamba2, nemotron_h, bamba, granitemoehybrid, falcon_h1)
+_MODULES: tuple[ModuleType, ...] = (mamba2, nemotron_h, bamba, granitemoehybrid, falcon_h1, zamba2)
 
 ARCHITECTURES: dict[str, ModuleType] = {t: m for m in _MODULES for t in m.MODEL_TYPES}
 

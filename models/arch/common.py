@@ -5,7 +5,9 @@ each must have, and how they combine (concatenated along dim 0, e.g. q|k|v into 
 stacked, e.g. per-expert matrices into one (E, ...) tensor). The loader checks every shape.
 
 A source may also carry row scales (`scaled`): factors an architecture folds into the weights at
-load (FalconH1's multipliers), applied in fp32 before the parameter takes the model dtype.
+load (FalconH1's multipliers), applied in fp32 before the parameter takes the model dtype; and
+low-rank adapters (`adapted`): per checkpoint tensor W, a product up @ down added to it in fp32 before
+the cast (Zamba2's per-layer adapters of its shared transformer blocks).
 """
 from __future__ import annotations
 
@@ -19,6 +21,20 @@ Shape = tuple[int, ...]
 
 
 @dataclass(frozen=True)
+class LowRank:
+    """A low-rank addend of one (rows, cols) checkpoint matrix: tensors `up` (rows, rank) and `down`
+    (rank, cols), whose product is added to it."""
+
+    up: str
+    down: str
+    rank: int
+
+    def shapes(self, shape: Shape) -> tuple[Shape, Shape]:
+        rows, cols = shape
+        return (rows, self.rank), (self.rank, cols)
+
+
+@dataclass(frozen=True)
 class Source:
     """Checkpoint tensors `names` (each of the matching shape in `shapes`) combined into one parameter."""
 
@@ -27,6 +43,8 @@ class Source:
     stack: bool = False  # stack along a new dim 0 instead of concatenating along dim 0
     # row scales: (rows, factor) segments covering dim 0 in order; empty for none
     scale: tuple[tuple[int, float], ...] = ()
+    # low-rank addends, one per entry of `names` (None: that tensor as stored); empty for none
+    adapters: tuple[LowRank | None, ...] = ()
 
     @staticmethod
     def one(name: str, shape: Shape) -> "Source":
@@ -49,6 +67,15 @@ class Source:
         if self.scale:
             segments = _multiply(self.scale, segments)
         return replace(self, scale=segments)
+
+    def adapted(self, adapters) -> "Source":
+        """This source with `adapters[i]` (a LowRank or None) added to tensor `names[i]`, in fp32."""
+        adapters = tuple(adapters)
+        if len(adapters) != len(self.names):
+            raise ValueError(f"{len(adapters)} adapters for {len(self.names)} tensors")
+        if self.stack and any(adapters):
+            raise ValueError("adapters of stacked tensors are not supported")
+        return replace(self, adapters=adapters if any(adapters) else ())
 
     def row_factors(self):
         """(rows,) fp32 factors, or None without scales."""
@@ -134,11 +161,12 @@ def mamba_mixer(out: WeightMap, target: str, ckpt: str, spec: MambaSpec, d_model
     linear(out, f"{target}.out_proj", f"{ckpt}.out_proj", d_model, spec.d_inner, spec.out_proj_bias)
 
 
-def attention(out: WeightMap, target: str, ckpt: str, spec: AttentionSpec, d_model: int) -> None:
-    """Llama-style q/k/v/o naming, fused into one qkv projection at load."""
+def attention(out: WeightMap, target: str, ckpt: str, spec: AttentionSpec, d_model: int, d_in: int | None = None) -> None:
+    """Llama-style q/k/v/o naming, fused into one qkv projection at load; q/k/v read `d_in` features
+    (default d_model), o_proj writes d_model."""
     q, kv = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
     parts = [(f"{ckpt}.q_proj", q), (f"{ckpt}.k_proj", kv), (f"{ckpt}.v_proj", kv)]
-    fused_linear(out, f"{target}.qkv_proj", parts, d_model, spec.qkv_bias)
+    fused_linear(out, f"{target}.qkv_proj", parts, d_in or d_model, spec.qkv_bias)
     linear(out, f"{target}.o_proj", f"{ckpt}.o_proj", d_model, q, spec.out_bias)
 
 

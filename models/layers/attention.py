@@ -19,13 +19,17 @@ from models.state import StatePool
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: AttentionSpec, d_model: int, layer: int, dtype: torch.dtype, device=None):
+    """(T, d_in) -> (T, d_model); `d_in` is d_model except where the attention reads more than the
+    residual stream (a shared-attention block: the stream and the embeddings, 2 * d_model)."""
+
+    def __init__(self, spec: AttentionSpec, d_model: int, layer: int, dtype: torch.dtype, device=None,
+                 d_in: int | None = None):
         super().__init__()
         self.spec = spec
         self.layer = layer
         kw = dict(dtype=dtype, device=device)
         q, kv = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
-        self.qkv_proj = Linear(d_model, q + 2 * kv, bias=spec.qkv_bias, **kw)
+        self.qkv_proj = Linear(d_in or d_model, q + 2 * kv, bias=spec.qkv_bias, **kw)
         self.o_proj = Linear(q, d_model, bias=spec.out_bias, **kw)
         if spec.rotary_dim:
             self.register_buffer("inv_freq", rope_inv_freq(spec.rotary_dim, spec.rope_theta, device), persistent=False)

@@ -48,9 +48,19 @@ WIDE = {
         hidden_size=256, num_attention_heads=8, num_key_value_heads=2, intermediate_size=512, mamba_n_heads=8,
         mamba_d_ssm=512, mamba_n_groups=2, mamba_d_state=64, mamba_chunk_size=64,
     ),
+    # Zamba2: attention heads 2 * 320 / 4 = 160 wide, as in the published 2.7B; adapters, RoPE and a
+    # grouped gated norm, then no adapters with grouped K/V and the deferred-norm decode step
+    "zamba2": dict(
+        hidden_size=320, num_attention_heads=4, num_key_value_heads=4, intermediate_size=640, n_mamba_heads=10,
+        mamba_ngroups=2, mamba_d_state=64, chunk_size=64, adapter_rank=16,
+    ),
+    "zamba2_plain": dict(
+        hidden_size=320, num_attention_heads=4, num_key_value_heads=2, intermediate_size=640, n_mamba_heads=10,
+        mamba_ngroups=1, mamba_d_state=64, chunk_size=64, adapter_rank=16,
+    ),
 }
 ARCHS = list(WIDE)
-GRAPH_ARCHS = ["mamba2", "nemotron_h_dense", "bamba", "falcon_h1", "falcon_h1_norm"]  # MoE blocks run eagerly
+GRAPH_ARCHS = ["mamba2", "nemotron_h_dense", "bamba", "falcon_h1", "falcon_h1_norm", "zamba2", "zamba2_plain"]  # MoE blocks run eagerly
 
 
 @pytest.fixture(autouse=True)
@@ -211,7 +221,7 @@ def one_sequence(lm, rng, steps=6):
     lm.pool.free(slot)
 
 
-@pytest.mark.parametrize("arch", ["mamba2", "nemotron_h_dense", "falcon_h1"])
+@pytest.mark.parametrize("arch", ["mamba2", "nemotron_h_dense", "falcon_h1", "zamba2"])
 def test_programmatic_dependent_launch_changes_no_bit(arch, tmp_path_factory, monkeypatch):
     """Kernels launched with PDL start before the previous kernel ends and wait inside. A kernel that
     read or wrote too early would show up as different numbers: graphed bf16 decode, verify and

@@ -1,13 +1,14 @@
 """Tiny random transformers models of every supported architecture, and transformers-side references.
 
 Weights are transformers' own random init, except where noted: dt biases are drawn so that
-softplus(dt) stays well above NemotronH's dt floor (transformers' decode path ignores dt limits
-while its prefill path applies them, so with an active clamp its two paths disagree with each
-other), and NemotronH router correction biases are made non-zero so routing depends on them. FalconH1
-models get random projection biases (transformers starts them at zero), so that multipliers folded
-into the wrong bias, or left out of one, show; and small skip weights D and larger conv weights, so
-that the SSM state carries much of each Mamba2 output (with D = 1 the skip term dominates, and a
-wrong B or C scale would hardly show).
+softplus(dt) stays well above NemotronH's and Zamba2's dt floor (transformers' decode path ignores
+dt limits while its prefill path applies them, so with an active clamp its two paths disagree with
+each other), and NemotronH router correction biases are made non-zero so routing depends on them.
+FalconH1 models get random projection biases (transformers starts them at zero), so that multipliers
+folded into the wrong bias, or left out of one, show; and small skip weights D and larger conv
+weights, so that the SSM state carries much of each Mamba2 output (with D = 1 the skip term
+dominates, and a wrong B or C scale would hardly show). Zamba2 models get random biases too (where
+`add_bias_linear` gives them any), so that each one's mapping shows.
 """
 from __future__ import annotations
 
@@ -17,10 +18,21 @@ from typing import Sequence
 import torch
 
 VOCAB = 96
-ARCHS = ("mamba2", "nemotron_h", "bamba", "granitemoehybrid", "falcon_h1")
+ARCHS = ("mamba2", "nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "zamba2")
 # the FalconH1 variants: no gated norm (as published), a gated norm by groups (tied embeddings),
 # and a norm before the gate
 FALCON = ("falcon_h1", "falcon_h1_norm", "falcon_h1_norm_first")
+# the Zamba2 variants, both with two shared blocks used in turn by three hybrid layers: attention
+# adapters, RoPE, grouped gated norm, biases, tied embeddings, a Mamba2 layer first; and no attention
+# adapters, no RoPE, grouped K/V, an ungrouped gated norm (decode defers its scale), SiLU MLP, untied
+# embeddings, a hybrid layer first
+ZAMBA = ("zamba2", "zamba2_plain")
+
+_ZAMBA_BASE = dict(
+    hidden_size=32, num_hidden_layers=5, num_attention_heads=4, intermediate_size=48, mamba_d_state=8,
+    mamba_d_conv=4, mamba_expand=2, n_mamba_heads=4, chunk_size=8, num_mem_blocks=2, adapter_rank=4,
+    use_mamba_kernels=False, initializer_range=0.1,
+)
 
 _FALCON_BASE = dict(
     hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
@@ -91,6 +103,16 @@ _SPECS = {
         ssm_multipliers=[1.1, 0.9, 1.3, 0.7, 1.2], attention_in_multiplier=1.2, attention_out_multiplier=0.8,
         key_multiplier=1.3, mlp_multipliers=[1.2, 0.9],
     )),
+    "zamba2": ("Zamba2Config", dict(
+        _ZAMBA_BASE, layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"], num_key_value_heads=4,
+        mamba_ngroups=2, use_shared_attention_adapter=True, use_mem_rope=True, add_bias_linear=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+    )),
+    "zamba2_plain": ("Zamba2Config", dict(
+        _ZAMBA_BASE, layers_block_type=["hybrid", "mamba", "hybrid", "mamba", "hybrid"], num_key_value_heads=2,
+        mamba_ngroups=1, use_shared_attention_adapter=False, use_mem_rope=False, add_bias_linear=False,
+        hidden_act="silu", tie_word_embeddings=False,
+    )),
 }
 
 
@@ -120,7 +142,7 @@ def make_model(arch: str, seed: int = 0, **overrides):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
             elif name.endswith("norm.weight") or "layernorm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif arch in FALCON and name.endswith(".bias"):
+            elif arch in FALCON + ZAMBA and name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             elif arch in FALCON and name.endswith("mamba.D"):
                 p.copy_(torch.empty(p.shape).uniform_(-0.3, 0.3, generator=gen))

@@ -21,7 +21,7 @@ def _pair(path):
     return plain, bucketed
 
 
-@pytest.mark.parametrize("arch", ["bamba", "falcon_h1", "falcon_h1_norm"])
+@pytest.mark.parametrize("arch", ["bamba", "falcon_h1", "falcon_h1_norm", "zamba2", "zamba2_plain"])
 def test_bucketed_steps_match_plain_steps(saved, arch):
     path, model = saved(arch)
     plain, bucketed = _pair(path)
@@ -84,7 +84,7 @@ def _state(pool) -> dict:
     return {n: getattr(pool, n).clone() for n in ("ssm", "conv", "k", "v") if getattr(pool, n, None) is not None}
 
 
-@pytest.mark.parametrize("arch", ["bamba", "falcon_h1"])
+@pytest.mark.parametrize("arch", ["bamba", "falcon_h1", "zamba2"])
 def test_graph_commit_is_the_eager_commit_bit_for_bit(saved, arch):
     """The commit program a graph replays (padded batch, path steps padded to the bucket, attention
     rows padded past the last path) changes exactly what the eager commit changes, to the bit, and

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from models import CheckpointError, HybridLM
 from tests.checkpoints import make_tokenizer
-from tests.models.hf_zoo import FALCON, hf_logits, random_prompt
+from tests.models.hf_zoo import FALCON, ZAMBA, hf_logits, random_prompt
 
 
 def _copy(src, dst):
@@ -54,11 +54,12 @@ def _prefill_error(path, model, prompt) -> float:
     return (lm.prefill([s], [prompt])[0] - hf_logits(model, prompt)[-1]).abs().max().item()
 
 
-@pytest.mark.parametrize("arch", ["nemotron_h", "granitemoehybrid", "bamba", "falcon_h1"])
+@pytest.mark.parametrize("arch", ["nemotron_h", "granitemoehybrid", "bamba", "falcon_h1", "zamba2"])
 def test_in_memory_names_load_the_same(saved, tmp_path, arch):
     """`save_pretrained` writes the published names (NemotronH `backbone.` and one tensor per
-    expert, Granite `input_linear`/`output_linear`/`router.layer`); a checkpoint holding
-    transformers' in-memory names (`model.`, merged experts) must load the same."""
+    expert, Granite `input_linear`/`output_linear`/`router.layer`, each Zamba2 shared block once); a
+    checkpoint holding transformers' in-memory names (`model.`, merged experts, a Zamba2 shared block
+    repeated under every layer that uses it) must load the same."""
     path, model = saved(arch)
     d = _copy(path, tmp_path / arch)
     f, published = _tensors(d)
@@ -112,7 +113,7 @@ def test_unsupported_model_type(saved, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["model_type"] = "llama"
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"unsupported model_type 'llama'.*bamba, falcon_h1, granitemoehybrid, mamba2, nemotron_h.*config\.json"):
+    with pytest.raises(CheckpointError, match=r"unsupported model_type 'llama'.*bamba, falcon_h1, granitemoehybrid, mamba2, nemotron_h, zamba2.*config\.json"):
         HybridLM.from_pretrained(d)
 
 
@@ -135,7 +136,7 @@ def test_unsupported_activation(saved, tmp_path):
         HybridLM.from_pretrained(d)
 
 
-@pytest.mark.parametrize("arch", ["bamba", "nemotron_h", "falcon_h1", "falcon_h1_norm"])
+@pytest.mark.parametrize("arch", ["bamba", "nemotron_h", "falcon_h1", "falcon_h1_norm", "zamba2"])
 def test_random_weights_from_a_config(arch):
     from tests.models.hf_zoo import _config
 
@@ -224,3 +225,88 @@ def _edited(saved, tmp_path, arch, **fields):
 def test_unsupported_falcon_h1_configs(saved, tmp_path, fields, message):
     with pytest.raises(CheckpointError, match=message):
         HybridLM.from_pretrained(_edited(saved, tmp_path, "falcon_h1", **fields))
+
+
+def test_zamba2_layout(saved):
+    from models.arch.zamba2 import _transformer_sources
+    from models.loading import SafetensorsDir
+
+    lm = HybridLM.from_pretrained(saved("zamba2")[0])
+    cfg = lm.config
+    assert cfg.kinds == ["mamba", "shared_attention", "mamba", "shared_attention", "shared_attention"]
+    # a shared-attention block's attention runs before its Mamba2 mixer; both kinds count in block order
+    assert [(b, sub.kind, i) for b, sub, i in cfg.state_layers] == [
+        (0, "mamba", 0), (1, "attention", 0), (1, "mamba", 1), (2, "mamba", 2), (3, "attention", 1),
+        (3, "mamba", 3), (4, "attention", 2), (4, "mamba", 4),
+    ]
+    assert (lm.pool.n_mamba, lm.pool.n_attn) == (5, 3)
+    spec = cfg.blocks[1]
+    a, m, mlp = spec.attention, spec.mamba, spec.mlp
+    assert (a.n_heads, a.n_kv_heads, a.head_dim, a.rotary_dim, a.rope_theta) == (4, 4, 16, 16, 500.0)
+    assert a.softmax_scale == pytest.approx(8**-0.5)  # (head_dim / 2) ** -0.5
+    assert lm.blocks[1].shared.attention.qkv_proj.weight.shape == (3 * 64, 64)
+    assert (m.n_groups, m.norm_group_size, m.norm_eps, m.dt_limit, m.proj_bias, m.conv_bias) == (
+        2, 32, 1e-5, (0.001, float("inf")), True, True)
+    assert (mlp.act, mlp.gated, mlp.bias) == ("gelu", True, True)
+    assert cfg.tie_embeddings and not hasattr(lm, "lm_head")
+    # two shared blocks used in turn by three hybrid layers, each stored once under its first user
+    path = saved("zamba2")[0]
+    available = SafetensorsDir(path, lambda k: k).__contains__
+    assert _transformer_sources(cfg, available) == [f"model.layers.{i}.shared_transformer" for i in (1, 3, 1)]
+    # untied, transformers ties no shared block either: every hybrid layer keeps its own
+    lm = HybridLM.from_pretrained(saved("zamba2_plain")[0])
+    cfg = lm.config
+    assert cfg.kinds == ["shared_attention", "mamba"] * 2 + ["shared_attention"]
+    assert not cfg.tie_embeddings and hasattr(lm, "lm_head")
+    available = SafetensorsDir(saved("zamba2_plain")[0], lambda k: k).__contains__
+    assert _transformer_sources(cfg, available) == [f"model.layers.{i}.shared_transformer" for i in (0, 2, 4)]
+    a, m = cfg.blocks[0].attention, cfg.blocks[0].mamba
+    assert (a.n_kv_heads, a.rotary_dim, m.norm_group_size, m.proj_bias) == (2, 0, 64, False)
+    assert lm.blocks[0].mixer.decode_defers_norm and cfg.layout("adapted") == ("gate_up",)
+
+
+@pytest.mark.parametrize("arch", ZAMBA)
+def test_every_zamba2_adapter_is_folded(saved, arch):
+    """Each hybrid layer's adapters (gate_up always; q, k, v with `use_shared_attention_adapter`) are
+    folded into its weights, and each one matters: leaving any out puts the logits off transformers'."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from models.loading import SafetensorsDir, read_config
+
+    path, model = saved(arch)
+    prompt = random_prompt(random.Random(0), 8)
+    ref = hf_logits(model, prompt)[-1]
+    arch_mod, cfg, _ = read_config(path)
+    assert _prefill_error(path, model, prompt) < 1e-4
+    source = SafetensorsDir(path, arch_mod.checkpoint_key)
+    full = arch_mod.weight_map(cfg, source.__contains__)
+    adapted = [(t, i) for t, src in full.items() for i, a in enumerate(src.adapters) if a is not None]
+    per_layer = 4 if arch == "zamba2" else 1
+    assert len(adapted) == per_layer * sum(k == "shared_attention" for k in cfg.kinds)
+    for target, i in adapted:
+        adapters = list(full[target].adapters)
+        adapters[i] = None
+        wmap = dict(full, **{target: dataclasses.replace(full[target], adapters=tuple(adapters))})
+        lm = HybridLM(cfg)
+        lm.load_from(source, SimpleNamespace(weight_map=lambda *_, w=wmap: w))
+        s = lm.pool.alloc()
+        err = (lm.prefill([s], [prompt])[0] - ref).abs().max().item()
+        assert err > 1e-3, f"{target} part {i}: its adapter left out changes nothing ({err:.3g})"
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(use_long_context=True), "use_long_context"),
+        (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), "RoPE type 'linear'"),
+        (dict(num_key_value_heads=2), "use_shared_attention_adapter with num_key_value_heads 2"),
+        (dict(mamba_ngroups=3), "mamba_ngroups 3 does not divide n_mamba_heads 4"),
+        (dict(n_mamba_heads=3), "n_mamba_heads 3 does not divide"),
+        (dict(num_attention_heads=3), "num_attention_heads 3 does not divide 2 \\* hidden_size"),
+        (dict(layers_block_type=["mamba", "attention", "mamba", "hybrid", "hybrid"]), "layer 1 has unsupported block type"),
+    ],
+)
+def test_unsupported_zamba2_configs(saved, tmp_path, fields, message):
+    with pytest.raises(CheckpointError, match=message):
+        HybridLM.from_pretrained(_edited(saved, tmp_path, "zamba2", **fields))

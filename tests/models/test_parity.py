@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from models import HybridLM
-from tests.models.hf_zoo import FALCON, hf_logits, random_prompt
+from tests.models.hf_zoo import FALCON, ZAMBA, hf_logits, random_prompt
 from tests.models.trees import random_tree
 
-ARCHS = ["mamba2", "mamba2_tied", "nemotron_h", "bamba", "granitemoehybrid", *FALCON]
+ARCHS = ["mamba2", "mamba2_tied", "nemotron_h", "bamba", "granitemoehybrid", *FALCON, *ZAMBA]
 TOL = 1e-4
 
 

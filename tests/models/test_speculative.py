@@ -13,7 +13,8 @@ from tests.models.trees import argmax_rows, greedy_walk, guided_tree
 N_NEW = 14
 
 
-@pytest.mark.parametrize("arch", ["mamba2", "nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "falcon_h1_norm"])
+@pytest.mark.parametrize("arch", ["mamba2", "nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "falcon_h1_norm",
+                                  "zamba2", "zamba2_plain"])
 def test_greedy_speculation_equals_generate(saved, arch):
     path, model = saved(arch)
     lm = HybridLM.from_pretrained(path, max_slots=3, max_len=64)

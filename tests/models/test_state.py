@@ -45,7 +45,7 @@ def test_too_long_is_refused_before_any_work(saved):
         lm.prefill([lm.pool.alloc()], [[10**6]])
 
 
-@pytest.mark.parametrize("arch", ["nemotron_h", "falcon_h1"])
+@pytest.mark.parametrize("arch", ["nemotron_h", "falcon_h1", "zamba2"])
 def test_fork_copies_the_whole_state(saved, arch):
     lm = HybridLM.from_pretrained(saved(arch)[0], max_slots=3, max_len=32)
     a, b = lm.pool.alloc(), lm.pool.alloc()
@@ -82,7 +82,7 @@ def test_stale_and_malformed_commits(saved):
         lm.commit([(res.pending[0], [0])])
 
 
-@pytest.mark.parametrize("arch", ["mamba2", "bamba", "falcon_h1"])
+@pytest.mark.parametrize("arch", ["mamba2", "bamba", "falcon_h1", "zamba2"])
 def test_interleaved_sequences_match_running_alone(saved, arch):
     """Six sequences in four slots, freed and re-used, in shifting batches, against each run alone."""
     path, _ = saved(arch)

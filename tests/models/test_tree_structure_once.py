@@ -31,7 +31,7 @@ def _spy(monkeypatch):
     return builds, seen
 
 
-@pytest.mark.parametrize("arch", ["bamba", "falcon_h1"])
+@pytest.mark.parametrize("arch", ["bamba", "falcon_h1", "zamba2"])
 def test_one_build_per_verify_forward(saved, monkeypatch, arch):
     path, _ = saved(arch)  # two Mamba2 layers (FalconH1: the halves of two parallel blocks)
     rng = random.Random(3)

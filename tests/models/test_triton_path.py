@@ -12,10 +12,11 @@ from tests.models.hf_zoo import hf_logits, random_prompt
 from tests.models.trees import random_tree
 
 
-@pytest.mark.parametrize("arch", ["nemotron_h", "falcon_h1", "falcon_h1_norm_first"])
+@pytest.mark.parametrize("arch", ["nemotron_h", "falcon_h1", "falcon_h1_norm_first", "zamba2"])
 def test_all_modes_on_triton_kernels(saved, monkeypatch, arch):
     """FalconH1: parallel blocks, and Mamba2 decode through the unfused kernels (no gated norm,
-    and a norm before the gate)."""
+    and a norm before the gate). Zamba2: shared-attention blocks (an attention over 2 * d_model
+    inputs, the embeddings in every mode)."""
     interpret_compat.install()
     path, model = saved(arch)
     lm = HybridLM.from_pretrained(path, max_slots=2, max_len=40)

@@ -1,6 +1,7 @@
-"""A FalconH1 checkpoint (parallel Mamba2 + attention blocks, folded multipliers) served by a real
-verifier process: the service needs nothing of the architecture, so its greedy answers, with commits
-piggy-backed on the next verify, equal the model runtime's driven directly."""
+"""Checkpoints of the architectures with blocks of their own served by a real verifier process: FalconH1
+(parallel Mamba2 + attention blocks, folded multipliers) and Zamba2 (shared-attention blocks that read
+the token embeddings, folded adapters). The service needs nothing of the architecture, so its greedy
+answers, with commits piggy-backed on the next verify, equal the model runtime's driven directly."""
 from __future__ import annotations
 
 import random
@@ -15,23 +16,24 @@ from treeserve.acceptance import follow_target
 from verifier_service.client import CommitSpec, VerifierClient, VerifyItem
 
 
-@pytest.fixture(scope="module")
-def falcon(tmp_path_factory):
-    path = tmp_path_factory.mktemp("falcon_h1")
-    make_model("falcon_h1").save_pretrained(path)
+@pytest.fixture(scope="module", params=["falcon_h1", "zamba2"])
+def served(request, tmp_path_factory):
+    arch = request.param
+    path = tmp_path_factory.mktemp(arch)
+    make_model(arch).save_pretrained(path)
     proc = VerifierProcess(path)
     try:
-        yield path, proc
+        yield arch, path, proc
     finally:
         proc.stop()
 
 
-def test_falcon_h1_round_trips_match_runtime(falcon):
-    path, proc = falcon
+def test_round_trips_match_runtime(served):
+    arch, path, proc = served
     reference = Reference(path, max_slots=MAX_SEQUENCES)
     rng = random.Random(21)
     with VerifierClient(proc.address, timeout=60) as client:
-        for n, sid in enumerate(("falcon-a", "falcon-b")):
+        for n, sid in enumerate((f"{arch}-a", f"{arch}-b")):
             prompt = [rng.randrange(1, VOCAB) for _ in range(7 + 5 * n)]
             ref = reference.sequence(prompt)
             try:

@@ -116,7 +116,8 @@ def decode_bytes(lm, length: int) -> dict:
     pool = lm.pool
     state = 0
     if pool.n_mamba:
-        state += 2 * (pool.ssm[0].numel() * 4 + pool.conv[0].numel() * pool.conv.element_size())
+        # SSM state read and written; of each conv ring (W columns) W-1 read and one written
+        state += 2 * pool.ssm[0].numel() * 4 + pool.conv[0].numel() * pool.conv.element_size()
     kv = 0
     if pool.n_attn:
         a = pool.attention

@@ -91,6 +91,28 @@ def ref_logits(model, ids):
     return model(torch.tensor([ids], device="cuda"), use_cache=False).logits[0].float()
 
 
+_OWN_FP32: dict = {}
+
+
+@torch.no_grad()
+def own_fp32_error(arch, tmp_path_factory) -> float:
+    """How far transformers' own fp32 model is from its float64 copy (max |logit| difference over the
+    last 8 positions of a 48-token prompt): the rounding noise any fp32 implementation of this
+    checkpoint carries. About 1e-5 for most of these configs; about 1e-3 for Zamba2's, whose shared
+    transformer amplifies fp32 rounding a hundredfold (measured with transformers alone, on CPU and
+    GPU)."""
+    if arch not in _OWN_FP32:
+        _, m32, _ = models(arch, tmp_path_factory)
+        m64 = copy.deepcopy(m32).double()
+        rng = random.Random(7)
+        ids = torch.tensor([[rng.randrange(1, VOCAB) for _ in range(48)]], device="cuda")
+        a = m32(ids, use_cache=False).logits[0, -8:].double()
+        b = m64(ids, use_cache=False).logits[0, -8:]
+        _OWN_FP32[arch] = (a - b).abs().max().item()
+        del m64
+    return _OWN_FP32[arch]
+
+
 def scenario(lm, rng, steps=2):
     """Prefill two prompts, decode, then verify random trees and commit a branch, `steps` times.
     Yields (logits, token sequence whose last position they belong to) for every output row."""
@@ -119,9 +141,10 @@ def scenario(lm, rng, steps=2):
 def test_fp32_matches_transformers(arch, tmp_path_factory):
     path, m32, _ = models(arch, tmp_path_factory)
     lm = HybridLM.from_pretrained(path, device="cuda", dtype=torch.float32, max_slots=2, max_len=128)
+    tol = max(1e-3, 4 * own_fp32_error(arch, tmp_path_factory))
     for logits, seq in scenario(lm, random.Random(0)):
         err = (logits - ref_logits(m32, seq)[-1]).abs().max().item()
-        assert err < 1e-3, f"len {len(seq)}: {err:.3g}"
+        assert err < tol, f"len {len(seq)}: {err:.3g}"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -178,10 +201,12 @@ def test_cuda_graphs_match_eager(arch, dtype, tol, tmp_path_factory):
     b = list(scenario(graphed, random.Random(3), steps=3))
     assert len(a) == len(b)
     assert not graphed.graphs.failures, graphed.graphs.failures
+    # fp32: also no tighter than a few times the checkpoint's own fp32 rounding noise (Zamba2)
+    noise = 4 * own_fp32_error(arch, tmp_path_factory) if dtype == torch.float32 else 0.0
     for (la, sa), (lb, sb) in zip(a, b):
         assert sa == sb
         err = (la - lb).abs().max().item()
-        assert err <= tol * max(1.0, la.abs().max().item()), f"len {len(sa)}: {err:.3g}"
+        assert err <= max(tol * max(1.0, la.abs().max().item()), noise), f"len {len(sa)}: {err:.3g}"
 
 
 def test_capture_every_bucket_then_serve(tmp_path_factory):

@@ -12,6 +12,12 @@ Shapes (DESIGN.md §9):
                16 Mamba2 + 16 attention layers alternating (32 q / 8 kv heads x 128), MLP 14336,
                Mamba2 32 heads x 128, d_state 128, 8 groups (conv_dim 6144), vocab 128256.
                `--layers N` keeps the first N layers (the report states it).
+  falcon-h1    an 8.2 B-parameter FalconH1 (a Mamba2 mixer and an attention side by side in 44 layers
+               of 3072, then a SwiGLU MLP; d_state 256, no gated norm), vocab 130048.
+  zamba2-2.7b  Zamba2-2.7B's layout: 54 Mamba2 layers of 2560 (80 heads x 64, d_state 64), 9 of them
+               with a shared transformer (two blocks in turn, low-rank adapters, RoPE, 32 heads x 160
+               over 2 x 2560 inputs, MLP 10240), vocab 32000; 2.7 B parameters as transformers holds
+               them, 3.8 B once our runtime folds each block's adapters into its own copy.
 
 Logits check (`check` in the report): one 128-token sequence (prefill of 127, decode of the last),
 measured against transformers in fp32 on the very same weights (the bf16 model upcast in place):
@@ -72,6 +78,19 @@ def build_hf(shape: str, layers: int | None, init_std: float | None = None):
             head_dim=128, intermediate_size=12288, mamba_n_heads=48, mamba_d_head=64, mamba_d_ssm=3072,
             mamba_d_state=256, mamba_n_groups=1, mamba_d_conv=4, mamba_chunk_size=256, mamba_rms_norm=False,
             vocab_size=130048, eos_token_id=None, pad_token_id=0, max_position_embeddings=8192,
+        )
+    elif shape == "zamba2-2.7b":
+        # the layout of Zyphra's Zamba2-2.7B (54 layers of 2560, a shared transformer over the stream
+        # and the embeddings in 9 of them, two shared blocks in turn with low-rank adapters, RoPE);
+        # its own choice where that layout leaves sizes open
+        from transformers import Zamba2Config
+
+        base = Zamba2Config()
+        cfg = Zamba2Config(
+            num_hidden_layers=layers or 54, layers_block_type=base.layers_block_type[: layers or 54],
+            n_mamba_heads=80, mamba_d_state=64, mamba_ngroups=1, num_mem_blocks=2,
+            use_shared_attention_adapter=True, adapter_rank=128, use_mem_rope=True, vocab_size=32000,
+            eos_token_id=None, pad_token_id=0, max_position_embeddings=8192,
         )
     else:
         raise SystemExit(f"unknown shape {shape}")
@@ -319,7 +338,7 @@ def check_logits(lm, ids, ref: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", choices=["mamba2-2.7b", "hybrid-8b", "falcon-h1"], required=True)
+    ap.add_argument("--shape", choices=["mamba2-2.7b", "hybrid-8b", "falcon-h1", "zamba2-2.7b"], required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
     ap.add_argument("--sizes", default="1,4,8,16,32,64,128")

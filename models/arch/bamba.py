@@ -15,12 +15,10 @@ MODEL_TYPES = ("bamba",)
 
 
 def _rope(hf, head_dim: int, path: str) -> tuple[int, float]:
-    params = dict(getattr(hf, "rope_parameters", None) or {})
-    rope_type = params.get("rope_type", "default")
-    if rope_type != "default":
-        raise CheckpointError(f"RoPE type {rope_type!r} is not supported (only 'default')", path=path)
+    """(rotary_dim, rope_theta): Bamba and Granite rotate `partial_rotary_factor` of each head."""
+    params = common.rope_parameters(hf, hf.model_type, path)
     factor = params.get("partial_rotary_factor", 1.0)
-    return int(head_dim * factor), float(params.get("rope_theta", 10000.0))
+    return int(head_dim * factor), float(params["rope_theta"])
 
 
 def mamba_spec(hf, path: str) -> MambaSpec:
@@ -56,19 +54,7 @@ def normalise(hf, path: str) -> HybridConfig:
     blocks = []
     for kind in hf.layers_block_type:
         blocks += [mamba if kind == "linear_attention" else attn, mlp]
-    return HybridConfig(
-        model_type="bamba",
-        vocab_size=hf.vocab_size,
-        d_model=hf.hidden_size,
-        blocks=tuple(blocks),
-        norm_eps=hf.rms_norm_eps,
-        final_norm_eps=hf.rms_norm_eps,
-        tie_embeddings=bool(hf.tie_word_embeddings),
-        residual_in_fp32=False,
-        bos_token_id=hf.bos_token_id,
-        eos_token_id=hf.eos_token_id,
-        pad_token_id=hf.pad_token_id,
-    )
+    return common.hybrid_config(hf, "bamba", blocks, hf.rms_norm_eps)
 
 
 def checkpoint_key(key: str) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
-from models.config import AttentionSpec, MambaSpec, MLPSpec, MoESpec
+from models.config import AttentionSpec, HybridConfig, MambaSpec, MLPSpec, MoESpec
 from models.errors import CheckpointError
 
 Shape = tuple[int, ...]
@@ -215,3 +215,35 @@ def rename_prefixes(key: str, renames: Iterable[tuple[str, str]]) -> str:
         if key.startswith(old):
             return new + key[len(old):]
     return key
+
+
+def hybrid_config(hf, model_type: str, blocks, norm_eps: float, **fields) -> HybridConfig:
+    """A HybridConfig with what every architecture reads the same way off its transformers config
+    (vocabulary, width, special token ids, tied embeddings), `norm_eps` for every norm, and the
+    architecture's own `fields` (which take precedence)."""
+    frame = dict(
+        model_type=model_type,
+        vocab_size=hf.vocab_size,
+        d_model=hf.hidden_size,
+        blocks=tuple(blocks),
+        norm_eps=norm_eps,
+        final_norm_eps=norm_eps,
+        tie_embeddings=bool(hf.tie_word_embeddings),
+        bos_token_id=hf.bos_token_id,
+        eos_token_id=hf.eos_token_id,
+        pad_token_id=hf.pad_token_id,
+    )
+    return HybridConfig(**{**frame, **fields})
+
+
+def rope_parameters(hf, model: str, path: str) -> dict:
+    """The config's RoPE parameters, refused (CheckpointError naming `model`) unless its RoPE is the
+    plain ("default") one: no architecture here implements rope scaling."""
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise CheckpointError(
+            f"RoPE type {rope_type!r} (rope scaling) is not supported for {model} (only 'default')", path=path
+        )
+    params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    return params

@@ -48,16 +48,6 @@ def _multipliers(hf, name: str, n: int, path: str) -> tuple[float, ...]:
     return tuple(float(v) for v in values)
 
 
-def _rope(hf, path: str) -> float:
-    params = dict(getattr(hf, "rope_parameters", None) or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise CheckpointError(
-            f"RoPE type {rope_type!r} (rope scaling) is not supported for FalconH1 (only 'default')", path=path
-        )
-    return float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
-
-
 def _mamba(hf, path: str) -> MambaSpec:
     d_inner = int(hf.mamba_expand * hf.hidden_size) if hf.mamba_d_ssm is None else int(hf.mamba_d_ssm)
     H, P, G = int(hf.mamba_n_heads), int(hf.mamba_d_head), int(hf.mamba_n_groups)
@@ -96,7 +86,7 @@ def normalise(hf, path: str) -> HybridConfig:
         if kind != "hybrid":
             raise CheckpointError(f"layer {i} has unsupported block type {kind!r} (FalconH1 layers are 'hybrid')", path=path)
     mamba = _mamba(hf, path)
-    attn = common.attention_spec(hf, common.head_dim(hf), _rope(hf, path))
+    attn = common.attention_spec(hf, common.head_dim(hf), float(common.rope_parameters(hf, "FalconH1", path)["rope_theta"]))
     mlp = MLPSpec(hf.intermediate_size, hf.hidden_act, gated=True, bias=bool(hf.mlp_bias))
     blocks = [ParallelSpec(mamba, attn), mlp] * hf.num_hidden_layers
     tied = bool(hf.tie_word_embeddings)
@@ -114,20 +104,11 @@ def normalise(hf, path: str) -> HybridConfig:
         ("key", _num(hf.key_multiplier)),
         ("mlp", _multipliers(hf, "mlp_multipliers", 2, path)),
     )
-    return HybridConfig(
-        model_type="falcon_h1",
-        vocab_size=hf.vocab_size,
-        d_model=hf.hidden_size,
-        blocks=tuple(blocks),
-        norm_eps=hf.rms_norm_eps,
-        final_norm_eps=hf.rms_norm_eps,
+    return common.hybrid_config(
+        hf, "falcon_h1", blocks, hf.rms_norm_eps,
         tie_embeddings=tied,
-        residual_in_fp32=False,
         # tied: the shared tensor carries lm_head_multiplier, so the embedding is rescaled at run time
         embedding_multiplier=emb / head if tied else 1.0,
-        bos_token_id=hf.bos_token_id,
-        eos_token_id=hf.eos_token_id,
-        pad_token_id=hf.pad_token_id,
         load_scales=scales,
     )
 

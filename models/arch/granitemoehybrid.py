@@ -37,20 +37,11 @@ def normalise(hf, path: str) -> HybridConfig:
     blocks = []
     for kind in hf.layers_block_type:
         blocks += [mamba if kind == "linear_attention" else attn, ffn]
-    return HybridConfig(
-        model_type="granitemoehybrid",
-        vocab_size=hf.vocab_size,
-        d_model=hf.hidden_size,
-        blocks=tuple(blocks),
-        norm_eps=hf.rms_norm_eps,
-        final_norm_eps=hf.rms_norm_eps,
-        tie_embeddings=bool(hf.tie_word_embeddings),
+    return common.hybrid_config(
+        hf, "granitemoehybrid", blocks, hf.rms_norm_eps,
         embedding_multiplier=float(hf.embedding_multiplier),
         residual_multiplier=float(hf.residual_multiplier),
         logits_scaling=float(hf.logits_scaling),
-        bos_token_id=hf.bos_token_id,
-        eos_token_id=hf.eos_token_id,
-        pad_token_id=hf.pad_token_id,
     )
 
 

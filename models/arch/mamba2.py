@@ -33,18 +33,9 @@ def normalise(hf, path: str) -> HybridConfig:
         dt_limit=tuple(float(v) for v in hf.time_step_limit),
         chunk_size=hf.chunk_size,
     )
-    return HybridConfig(
-        model_type="mamba2",
-        vocab_size=hf.vocab_size,
-        d_model=hf.hidden_size,
-        blocks=(spec,) * hf.num_hidden_layers,
-        norm_eps=hf.layer_norm_epsilon,
-        final_norm_eps=hf.layer_norm_epsilon,
-        tie_embeddings=bool(hf.tie_word_embeddings),
+    return common.hybrid_config(
+        hf, "mamba2", (spec,) * hf.num_hidden_layers, hf.layer_norm_epsilon,
         residual_in_fp32=bool(hf.residual_in_fp32),
-        bos_token_id=hf.bos_token_id,
-        eos_token_id=hf.eos_token_id,
-        pad_token_id=hf.pad_token_id,
     )
 
 

@@ -68,19 +68,7 @@ def normalise(hf, path: str) -> HybridConfig:
             blocks.append(_moe(hf))
         else:
             raise CheckpointError(f"layer {i} has unsupported block type {kind!r}", path=path)
-    return HybridConfig(
-        model_type="nemotron_h",
-        vocab_size=hf.vocab_size,
-        d_model=hf.hidden_size,
-        blocks=tuple(blocks),
-        norm_eps=hf.layer_norm_epsilon,
-        final_norm_eps=hf.layer_norm_epsilon,
-        tie_embeddings=False,
-        residual_in_fp32=False,
-        bos_token_id=hf.bos_token_id,
-        eos_token_id=hf.eos_token_id,
-        pad_token_id=hf.pad_token_id,
-    )
+    return common.hybrid_config(hf, "nemotron_h", blocks, hf.layer_norm_epsilon, tie_embeddings=False)
 
 
 def checkpoint_key(key: str) -> str:

@@ -54,16 +54,6 @@ MAMBA_NORM_EPS = 1e-5  # transformers fixes the gated norm's eps, whatever rms_n
 ADAPTED_ATTENTION = ("q", "k", "v")
 
 
-def _rope(hf, path: str) -> float:
-    params = dict(getattr(hf, "rope_parameters", None) or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise CheckpointError(
-            f"RoPE type {rope_type!r} (rope scaling) is not supported for Zamba2 (only 'default')", path=path
-        )
-    return float(params.get("rope_theta", 10000.0))
-
-
 def _mamba(hf, path: str) -> MambaSpec:
     d_inner = int(hf.mamba_expand * hf.hidden_size)
     H, G = int(hf.n_mamba_heads), int(hf.mamba_ngroups)
@@ -106,7 +96,7 @@ def _attention(hf, path: str) -> AttentionSpec:
     head_dim = width // heads
     rotary = head_dim if hf.use_mem_rope else 0
     return AttentionSpec(heads, kv_heads, head_dim, qkv_bias=False, out_bias=False, rotary_dim=rotary,
-                         rope_theta=_rope(hf, path) if rotary else 10000.0, scale=(head_dim / 2) ** -0.5)
+                         rope_theta=float(common.rope_parameters(hf, "Zamba2", path)["rope_theta"]) if rotary else 10000.0, scale=(head_dim / 2) ** -0.5)
 
 
 def normalise(hf, path: str) -> HybridConfig:
@@ -130,18 +120,8 @@ def normalise(hf, path: str) -> HybridConfig:
                 f"layer {i} has unsupported block type {kind!r} (Zamba2 layers are 'mamba' or 'hybrid')", path=path
             )
     adapted = ("gate_up",) + (ADAPTED_ATTENTION if hf.use_shared_attention_adapter else ())
-    return HybridConfig(
-        model_type="zamba2",
-        vocab_size=hf.vocab_size,
-        d_model=hf.hidden_size,
-        blocks=tuple(blocks),
-        norm_eps=hf.rms_norm_eps,
-        final_norm_eps=hf.rms_norm_eps,
-        tie_embeddings=bool(hf.tie_word_embeddings),
-        residual_in_fp32=False,
-        bos_token_id=hf.bos_token_id,
-        eos_token_id=hf.eos_token_id,
-        pad_token_id=hf.pad_token_id,
+    return common.hybrid_config(
+        hf, "zamba2", blocks, hf.rms_norm_eps,
         load_layout=(
             ("mem_blocks", int(hf.num_mem_blocks)),
             ("adapter_rank", int(hf.adapter_rank)),

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from kernels import conv_tree as ct
 from kernels import tree_attention as ta
+from tests.kernels.ssm_oracle import ring_window
 from tests.kernels.tree_cases import packed_batch, path_to, random_branch
 
 pytestmark = [
@@ -49,12 +50,6 @@ def _trees(spec, seed):
 LENS = [0, 1, 2, 3, 130, 4097]
 
 
-def _window(ring, n: int):
-    """ring (D, W) at committed length n -> its last W-1 inputs, oldest first (D, W-1)."""
-    W = ring.shape[1]
-    return ring[:, [(n - (W - 1) + j) % W for j in range(W - 1)]]
-
-
 @pytest.mark.parametrize("D", [5376, 6144])
 def test_tree_conv1d_model_size(D):
     W, S = 4, 8
@@ -75,7 +70,7 @@ def test_tree_conv1d_model_size(D):
     for b, lst in enumerate(lists):  # float64 oracle on a few nodes per tree
         for i in sorted({0, len(lst) // 2, len(lst) - 1}):
             path = int(cu[b]) + torch.tensor(path_to(lst, i), device=DEV)
-            seq = torch.cat([_window(state[int(slots[b])], LENS[b]).double(), xbc[path].double().t()], dim=1)
+            seq = torch.cat([ring_window(state[int(slots[b])], LENS[b]).double(), xbc[path].double().t()], dim=1)
             want = F.silu(F.conv1d(seq[None], weight.double()[:, None], bias.double(), groups=D)[0, :, -1])
             torch.testing.assert_close(got[int(cu[b]) + i].double(), want, **CONV_TOL)
 

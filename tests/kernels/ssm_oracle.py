@@ -14,6 +14,14 @@ from tests.kernels import interpret_compat
 interpret_compat.install()
 
 
+def ring_window(ring: torch.Tensor, n: int) -> torch.Tensor:
+    """A conv ring (D, W) of a slot at committed length n (the input at position p in column p mod W)
+    -> its last W-1 inputs (D, W-1), oldest first; written out column by column, apart from the
+    kernels' own `conv_window`."""
+    W = ring.shape[1]
+    return ring[:, [(n - (W - 1) + j) % W for j in range(W - 1)]]
+
+
 def dt_act(dt_raw: torch.Tensor, dt_bias, dt_limit) -> torch.Tensor:
     v = dt_raw.double() + (0.0 if dt_bias is None else dt_bias.double())
     sp = torch.where(v > 20.0, v, torch.log1p(torch.exp(v.clamp(max=20.0))))

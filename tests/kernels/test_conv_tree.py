@@ -12,17 +12,12 @@ import torch.nn.functional as F
 
 from kernels import conv_tree as ct
 from tests.kernels.interpret_compat import install as _fix_interpreter
+from tests.kernels.ssm_oracle import ring_window as _window
 from tests.kernels.tree_cases import KINDS, packed_batch, path_to, random_branch
 
 _fix_interpreter()
 
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
-
-
-def _window(ring: torch.Tensor, n: int) -> torch.Tensor:
-    """ring (D, W) of a slot at committed length n -> its last W-1 inputs (D, W-1), oldest first."""
-    W = ring.shape[1]
-    return torch.stack([ring[:, (n - (W - 1) + j) % W] for j in range(W - 1)], dim=1) if W > 1 else ring[:, :0]
 
 
 def _oracle_conv(state: torch.Tensor, inputs: torch.Tensor, weight, bias) -> torch.Tensor:

@@ -18,7 +18,16 @@ from kernels.mamba_decode import (
     mamba_decode_step_gate_only_ref,
     mamba_decode_step_ref,
 )
-from tests.kernels.ssm_oracle import LIMIT, Mamba2Step, assert_close, layer_weights, nan_output, rand, untouched_slots
+from tests.kernels.ssm_oracle import (
+    LIMIT,
+    Mamba2Step,
+    assert_close,
+    layer_weights,
+    nan_output,
+    rand,
+    ring_window,
+    untouched_slots,
+)
 
 F32, F16 = torch.float32, torch.float16
 TOL = {F32: 1e-4, F16: 1e-2}  # against the float64 oracle (fp16 rounds the conv output and y)
@@ -49,12 +58,6 @@ def step_case(nb, H, P, N, G, W, seed, dtype=F32, slots=6, conv_bias=True, with_
         dt_bias=dt_bias, dt_limit=dt_limit, norm_weight=rand(gen, d_inner, dtype=dtype),
         norm_group_size=d_inner // norm_groups, norm_eps=1e-5,
     )
-
-
-def ring_window(ring: torch.Tensor, n: int) -> torch.Tensor:
-    """ring (D, W) at committed length n -> its last W-1 inputs (D, W-1), oldest first."""
-    W = ring.shape[1]
-    return ring[:, [(n - (W - 1) + j) % W for j in range(W - 1)]]
 
 
 def oracle(args):

@@ -99,8 +99,14 @@ def knocked_out(lm, op: str) -> Iterator[list[int]]:
                 swap(_swapped(m.out_proj, "forward", _counted(lambda x: _blank((x.shape[0], d_model), x), calls)))
         elif op == "tree_conv":
             swap(_swapped(kernel_ops, "tree_conv1d", _counted(lambda *a, out=None, **k: out, calls)))
-        elif op == "tree_scan":
+        elif op == "tree_scan":  # with the deferred gated norm its epilogue goes too
             swap(_swapped(kernel_ops, "tree_ssd_scan", _counted(lambda x, *a, **k: _blank(x.shape, x), calls)))
+
+            def deferred_scan(x, *a, **k):
+                T, H, P = x.shape
+                return _blank((T, H * P), x), SumOfSquares(_blank((T, 1), x, torch.float32), H * P, 1e-5)
+
+            swap(_swapped(kernel_ops, "tree_ssd_scan_deferred_norm", _counted(deferred_scan, calls)))
         elif op == "gated_norm":
             swap(_swapped(mamba_layer, "gated_rms_norm", _counted(lambda y, z, *a: _blank(z.shape, z), calls)))
         elif op == "decode_step":

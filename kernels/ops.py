@@ -16,6 +16,7 @@ _HOME = {
     "conv_state_commit": "kernels.conv_tree",
     "conv1d_prefill": "kernels.conv_tree",
     "tree_ssd_scan": "kernels.ssd_tree",
+    "tree_ssd_scan_deferred_norm": "kernels.ssd_tree",
     "ancestor_bits": "kernels.tree_struct",
     "ssm_state_commit": "kernels.ssm_commit",
     "ssm_chain_update": "kernels.ssm_decode",
@@ -61,6 +62,7 @@ tree_conv1d = _dispatcher("tree_conv1d")
 conv_state_commit = _dispatcher("conv_state_commit")
 conv1d_prefill = _dispatcher("conv1d_prefill")
 tree_ssd_scan = _dispatcher("tree_ssd_scan")
+tree_ssd_scan_deferred_norm = _dispatcher("tree_ssd_scan_deferred_norm")
 ancestor_bits = _dispatcher("ancestor_bits")
 ssm_state_commit = _dispatcher("ssm_state_commit")
 ssm_chain_update = _dispatcher("ssm_chain_update")

@@ -7,6 +7,12 @@ For node i with root-to-i path anc*(i), starting from the committed state h0 (de
 
 with dAcs_i the sum of dt A over anc*(i). Per-node states are never formed; the state pool is only
 read. The ancestor relation comes in as the per-forward bit mask of `kernels.tree_struct`.
+
+`tree_ssd_scan_deferred_norm` also applies a one-group gated RMSNorm, less its scale (Mamba2 and
+Bamba layers, whose out_proj has no bias): u_i = w * (y_i * silu(z_i)) and one partial sum of squares
+of y_i * silu(z_i) per program and node, which the residual add after out_proj turns into the rstd
+(`kernels.norms.SumOfSquares`), as the fused decode step does. That saves a verify the gated norm's
+own launch, which had to wait for the whole scan.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl, ssm_common
+from kernels.norms import SumOfSquares, gated_rms_norm_deferred_ref
 from kernels.pdl import release_next, wait_for_previous
 from kernels.ssm_common import (
     as_int32,
@@ -73,6 +80,17 @@ def tree_ssd_scan_ref(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens
         y = y + D.float()[None, None, :, None] * xs
     out = y[valid]  # packed order: trees in order, nodes in order
     return silu_gate(out, z).to(x.dtype)
+
+
+def tree_ssd_scan_deferred_norm_ref(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes,
+                                    dt_limit, z, norm_weight, norm_eps: float, ancestors=None):
+    """PyTorch twin of `tree_ssd_scan_deferred_norm`: the scan without its gate (y rounded to x.dtype,
+    as the scan stores it), then `gated_rms_norm_deferred_ref(y, z, norm_weight, norm_eps, z.dtype)`
+    over all H * P channels -> (u (T, H * P), SumOfSquares)."""
+    T, H, P = x.shape
+    y = tree_ssd_scan_ref(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes, dt_limit,
+                          ancestors=ancestors)
+    return gated_rms_norm_deferred_ref(y.reshape(T, H * P), z.reshape(T, H * P), norm_weight, norm_eps, z.dtype)
 
 
 # Node tiles are at most this tall: bigger trees are cut into row tiles x column blocks so the
@@ -163,16 +181,18 @@ def _decay(m, dacs_rows, dacs_cols):
 @triton.jit
 def _tree_ssd_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, bias_ptr, state_ptr, z_ptr, y_ptr,
-    anc_ptr, cu_ptr, slot_ptr,
+    anc_ptr, cu_ptr, slot_ptr, nw_ptr, part_ptr,
     heads_per_group, dt_lo, dt_hi,
     sx_t, sx_h, sx_p, sdt_t, sdt_h, sb_t, sb_g, sb_n, sc_t, sc_g, sc_n,
-    ss_s, ss_h, ss_p, ss_n, sz_t, sz_h, sz_p, sy_t, sy_h, sy_p, sa_t,
+    ss_s, ss_h, ss_p, ss_n, sz_t, sz_h, sz_p, sy_t, sy_h, sy_p, sa_t, s_part,
     P: tl.constexpr, N: tl.constexpr,
     ROW_TILES: tl.constexpr, BI: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PREC: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DEFER_NORM: tl.constexpr, PREC: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program per (tree x row tile, head, headdim tile); rows are this tile's nodes."""
+    """One program per (tree x row tile, head, headdim tile); rows are this tile's nodes. With
+    DEFER_NORM (and z), y is rounded to x's dtype, gated, and stored as w * gated in y's dtype, with
+    each row's sum of gated squares at column h * N_PT + pt of part_ptr."""
     release_next(PDL)
     wait_for_previous(PDL)  # every input below may come from the kernel before
     pid0 = tl.program_id(0)
@@ -272,10 +292,30 @@ def _tree_ssd_kernel(
                          mask=p_ok[:, None] & n_ok[None, :], other=0.0)
             ch += tl.dot(c, tl.trans(h0), input_precision=PREC)
     y = acc + tl.exp(tl.minimum(dacs_i.to(tl.float32), 0.0))[:, None] * ch
-    if HAS_Z:
+    if DEFER_NORM:
+        # rounded where the unfused path rounds: the scan's output in x's dtype, the gated value in
+        # the output's, then the product with the weight
+        gated = tl.where(io_mask, y.to(x_ptr.dtype.element_ty).to(tl.float32) * silu(z_rows), 0.0)
+        w = tl.load(nw_ptr + h * P + offs_p, mask=p_ok, other=0.0).to(tl.float32)
+        y = w[None, :] * gated.to(y_ptr.dtype.element_ty).to(tl.float32)
+        N_PT: tl.constexpr = (P + BP - 1) // BP
+        tl.store(part_ptr + tok_i * s_part + h * N_PT + pt, tl.sum(gated * gated, axis=1), mask=row_ok)
+    elif HAS_Z:
         y *= silu(z_rows)
     tl.store(y_ptr + tok_i[:, None] * sy_t + h * sy_h + offs_p[None, :] * sy_p,
              y.to(y_ptr.dtype.element_ty), mask=io_mask)
+
+
+def tree_ssd_scan_deferred_norm(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes,
+                                dt_limit, z, norm_weight, norm_eps: float, ancestors=None):
+    """Triton `tree_ssd_scan_deferred_norm`: same contract as its `_ref` twin -> (u (T, H * P) in the
+    promoted dtype of norm_weight and z, SumOfSquares with one partial sum per program of a node)."""
+    T, H, P = x.shape
+    if z is None or z.shape != x.shape or norm_weight.shape != (H * P,):
+        raise ValueError(f"the deferred norm needs z {tuple(x.shape)} and a norm weight ({H * P},)")
+    out_dtype = torch.promote_types(norm_weight.dtype, z.dtype)
+    return _launch(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes, dt_limit, z,
+                   ancestors, out_dtype=out_dtype, norm=(norm_weight.contiguous(), float(norm_eps)))
 
 
 def tree_ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes, dt_limit, z=None,
@@ -289,13 +329,22 @@ def tree_ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, sl
     `block_n` d_state columns per load round (power of two >= 32), `num_warps`, `maxnreg` register
     cap per thread (None or 0: none); None picks the defaults below.
     """
+    return _launch(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes, dt_limit, z,
+                   ancestors, block_p=block_p, block_n=block_n, num_warps=num_warps, maxnreg=maxnreg)
+
+
+def _launch(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes, dt_limit, z, ancestors,
+            *, out_dtype=None, norm=None, block_p=None, block_n=None, num_warps=None, maxnreg=None):
+    """The scan's launch: -> y (T, H, P), or with `norm` = (weight, eps) -> (u (T, H * P) of `out_dtype`,
+    SumOfSquares)."""
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     hpg = heads_per_group(H, G)
-    y = ssm_common.new_output((T, H, P), x.dtype, x.device)
+    y = ssm_common.new_output((T, H, P), out_dtype or x.dtype, x.device)
     nb = cu_seqlens.numel() - 1
     if T == 0 or nb == 0:
-        return y
+        return y if norm is None else (y.view(T, H * P), SumOfSquares(torch.zeros(T, 1, device=x.device), H * P,
+                                                                      norm[1]))
     if ancestors is None:
         ancestors = ancestor_bits(parents, cu_seqlens, max_nodes)
     elif (ancestors.shape != (T, words_per_row(max_nodes)) or ancestors.dtype != torch.int32
@@ -326,19 +375,22 @@ def tree_ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, sl
     D_arg = D if D is not None else A
     bias = dt_bias if dt_bias is not None else torch.zeros_like(A)
     zt = z if z is not None else x
+    # every node's row of partial sums is written (one column per (head, headdim tile) program);
+    # rows past the last tree, if any, are not, and no real row reads them
+    parts = ssm_common.new_output((T, H * triton.cdiv(P, bp)), torch.float32, x.device) if norm else A
     _tree_ssd_kernel[grid](
         x, dt, A, B, C, D_arg, bias, ssm_state, zt, y,
-        ancestors, as_int32(cu_seqlens), as_int32(slot_idx),
+        ancestors, as_int32(cu_seqlens), as_int32(slot_idx), norm[0] if norm else A, parts,
         hpg, lo, hi,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
-        *ssm_state.stride(), *zt.stride(), *y.stride(), ancestors.stride(0),
+        *ssm_state.stride(), *zt.stride(), *y.stride(), ancestors.stride(0), parts.stride(0),
         P=P, N=N, ROW_TILES=bn // bi, BI=bi, BP=bp, BN=block_n,
-        HAS_D=D is not None, HAS_Z=z is not None, PREC=dot_precision(x.dtype),
+        HAS_D=D is not None, HAS_Z=z is not None, DEFER_NORM=norm is not None, PREC=dot_precision(x.dtype),
         **pdl.launch_options(x.device),
         num_warps=num_warps,
         num_stages=1, maxnreg=maxnreg or None,  # no cap unless asked: capping never won with 4 warps
     )
-    return y
+    return y if norm is None else (y.view(T, H * P), SumOfSquares(parts, H * P, norm[1]))
 
 
 def _sm_count(device: torch.device) -> int:

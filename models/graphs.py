@@ -22,6 +22,8 @@ device needs 0.15). Padded items are no-ops on the scratch slot.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import threading
 import warnings
 import weakref
@@ -37,6 +39,24 @@ from models.verify import VerifyStash, commit_meta, run_commit
 # device work on its own threads next to a model that may capture lazily (the drafter's draft-ahead
 # threads, when drafter and target share a process) holds this lock around that work.
 CAPTURE_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _no_collection():
+    """No Python garbage collection while a graph is captured. An unreachable CUDA graph (a dropped
+    runtime's, in a reference cycle) destroyed by a collection mid-capture is an operation the
+    capture forbids: it fails, and so does every later capture into the same memory pool. torch
+    stopped collecting before a capture in 2.9, so this collects first and pauses collection until
+    the capture ends."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
 
 NODE_BUCKETS = (1, 4, 8, 16, 32, 64, 128)
 
@@ -216,7 +236,7 @@ class GraphRunner:
                 run()  # warm-up: compiles kernels, settles allocations (writes go to the scratch slot)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
+            with _no_collection(), torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
                 out = run()
         return _Graph(graph, meta, out)
 

@@ -41,9 +41,10 @@ class MambaMixer(nn.Module):
         rows = torch.zeros(MAX_DECODE_ROWS, dtype=torch.int32, device=device)
         self.register_buffer("arrivals", rows, persistent=False)
         # a gated norm over the whole row, followed by a bias-free out_proj, is one factor per row
-        # that decode leaves to the residual add after out_proj (kernels/mamba_decode.py); a
-        # container that adds this output to another (ParallelMixer) turns it off
-        self.decode_defers_norm = (
+        # that decode and verify leave to the residual add after out_proj (kernels/mamba_decode.py,
+        # kernels/ssd_tree.py); a container that adds this output to another (ParallelMixer) turns
+        # it off
+        self.defers_norm = (
             spec.gate_norm == "gated" and spec.norm_group_size == spec.d_inner and not spec.out_proj_bias
         )
 
@@ -116,7 +117,7 @@ class MambaMixer(nn.Module):
         if s.gate_norm == "none":
             return self.out_proj(ops.mamba_decode_step_gate_only(*state, arrivals=self.arrivals))
         common = (*state, self.norm_weight)
-        if self.decode_defers_norm:
+        if self.defers_norm:
             u, sums = ops.mamba_decode_step_deferred_norm(*common, s.norm_eps, arrivals=self.arrivals)
             return RowScaled(self.out_proj(u), sums)
         g = ops.mamba_decode_step(*common, s.norm_group_size, s.norm_eps, arrivals=self.arrivals)
@@ -144,8 +145,9 @@ class MambaMixer(nn.Module):
         ).reshape(B, s.d_inner)
         return self._finish(y, z)
 
-    def verify(self, h: torch.Tensor, batch: Packed, pool: StatePool, stash) -> torch.Tensor:
-        """h (T, d_model) packed tree nodes -> (T, d_model); state untouched, commit data stashed."""
+    def verify(self, h: torch.Tensor, batch: Packed, pool: StatePool, stash) -> torch.Tensor | RowScaled:
+        """h (T, d_model) packed tree nodes -> (T, d_model), or RowScaled((T, d_model), SumOfSquares) when
+        the gated norm's scale is deferred (as in `decode`); state untouched, commit data stashed."""
         s = self.spec
         zxbcdt, z, _, dt = self._project(h)
         # the conv also keeps what a commit needs: xBC | dt as they came (adjacent in_proj columns),
@@ -157,9 +159,15 @@ class MambaMixer(nn.Module):
             stash=raw,
         )
         x, B, C = s.split_conv(conv_out)
-        y = ops.tree_ssd_scan(
+        scan = (
             x, dt, self.A, B, C, self.D, self.dt_bias, pool.ssm_layer(self.layer),
             batch.parents, batch.cu_seqlens, batch.slot_idx, batch.max_nodes, s.dt_limit,
-            ancestors=batch.ancestors(),  # built once per forward, shared by every Mamba layer
         )
-        return self._finish(y, z)
+        ancestors = batch.ancestors()  # built once per forward, shared by every Mamba layer
+        if self.defers_norm:  # the gated norm, less its scale, in the scan's own epilogue
+            T = h.shape[0]
+            u, sums = ops.tree_ssd_scan_deferred_norm(
+                *scan, z.unflatten(-1, (s.n_heads, s.head_dim)), self.norm_weight, s.norm_eps, ancestors=ancestors,
+            )
+            return RowScaled(self.out_proj(u), sums)
+        return self._finish(ops.tree_ssd_scan(*scan, ancestors=ancestors), z)

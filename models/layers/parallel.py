@@ -25,7 +25,7 @@ class ParallelMixer(nn.Module):
         self.spec = spec
         self.mamba = MambaMixer(spec.mamba, d_model, mamba_layer, dtype, device)
         # the sum needs the Mamba2 output whole: no norm scale deferred to the residual add
-        self.mamba.decode_defers_norm = False
+        self.mamba.defers_norm = False
         self.attention = Attention(spec.attention, d_model, attention_layer, dtype, device)
 
     def prepare(self) -> None:

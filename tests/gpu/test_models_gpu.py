@@ -197,6 +197,50 @@ def test_greedy_speculation_equals_generate_fp32(arch, tmp_path_factory):
         assert emitted[b][:n_new] == truth[b], f"sequence {b}"
 
 
+def test_capture_survives_a_collection_of_a_dropped_graph(tmp_path_factory, monkeypatch):
+    """A dropped CUDA graph in a reference cycle, and a garbage collection that falls inside the
+    runtime's next capture (simulated: the residual add collects when it runs in a capture while
+    collection is on, where the interpreter's automatic collection may strike). Destroying a graph
+    mid-capture breaks that capture and every later one; the runtime collects before a capture and
+    pauses collection during it, so its captures all succeed."""
+    import gc
+
+    import models.runtime as runtime
+
+    path, _, _ = models("mamba2", tmp_path_factory)
+
+    class Cycle:
+        def __init__(self, graph):
+            self.graph, self.me = graph, self
+
+    add_rms_norm = runtime.add_rms_norm
+
+    def collecting_add(*args, **kwargs):
+        if torch.cuda.is_current_stream_capturing() and gc.isenabled():
+            gc.collect()
+        return add_rms_norm(*args, **kwargs)
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(10**9)  # no automatic collection: the stale graph lives until one is forced
+    try:
+        stale = torch.cuda.CUDAGraph()
+        x = torch.zeros(4, device="cuda")
+        with torch.cuda.graph(stale):
+            x.add_(1)
+        Cycle(stale)
+        del stale
+        lm = HybridLM.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_slots=2, max_len=64)
+        monkeypatch.setattr(runtime, "add_rms_norm", collecting_add)
+        slots = [lm.pool.alloc()]
+        lm.prefill(slots, [[1, 2, 3]])
+        lm.decode(slots, [4])
+        res = lm.verify(slots, [random_tree(random.Random(0), 5, 9, "random")])
+        lm.commit([(res.pending[0], [0])])
+        assert lm.graphs is not None and not lm.graphs.failures, lm.graphs.failures
+    finally:
+        gc.set_threshold(*threshold)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("arch", GRAPH_ARCHS)
 def test_cuda_graphs_match_eager(arch, dtype, tol, tmp_path_factory):

@@ -16,7 +16,12 @@ import torch
 
 from kernels import ops, ssm_common
 from kernels.ssd_prefill import ssd_prefill, ssd_prefill_ref
-from kernels.ssd_tree import tree_ssd_scan, tree_ssd_scan_ref
+from kernels.ssd_tree import (
+    tree_ssd_scan,
+    tree_ssd_scan_deferred_norm,
+    tree_ssd_scan_deferred_norm_ref,
+    tree_ssd_scan_ref,
+)
 from kernels.ssm_commit import ssm_state_commit, ssm_state_commit_ref
 from kernels.ssm_decode import ssm_chain_update, ssm_chain_update_ref
 from kernels.tree_struct import ancestor_bits, ancestor_bits_ref
@@ -77,6 +82,30 @@ def test_tree_scan(shape):
     bits = ancestor_bits(a["parents"], a["cu_seqlens"], a["max_nodes"])
     assert torch.equal(bits, ancestor_bits_ref(a["parents"], a["cu_seqlens"], a["max_nodes"]))
     assert torch.equal(tree_ssd_scan(**a, ancestors=bits), out)
+
+
+@gpu
+@pytest.mark.parametrize("shape", ["mamba2-2.7b"])
+@pytest.mark.parametrize("trees", [TREES, [(16, "random")], [(16, "bushy")] * 16])
+def test_tree_scan_deferred_norm(shape, trees):
+    """The scan with the gated norm less its scale (what a Mamba2 verify runs): u equal to its twin
+    within a bf16 ulp, the rstd of the partial sums within the rounding of y (as for the decode
+    step), u * rstd the normalised output, every node's partial sums written; one tree of 16 nodes
+    (split headdim tiles) and 16 of them."""
+    args, lists = tree_case(trees, *SHAPES[shape], seed=3, dtype=torch.bfloat16, slots=len(trees) + 2)
+    a = on(args, DEV)
+    T, H, P = a["x"].shape
+    w = (torch.rand(H * P, device=DEV) + 0.5).to(torch.bfloat16)
+    before = a["ssm_state"].clone()
+    u, sums = tree_ssd_scan_deferred_norm(**a, norm_weight=w, norm_eps=1e-5)
+    u_ref, sums_ref = tree_ssd_scan_deferred_norm_ref(**a, norm_weight=w, norm_eps=1e-5)
+    assert not sums.parts.isnan().any(), "unwritten partial sums"
+    assert_close(u, u_ref, BF16_TOL, "triton vs reference u")
+    torch.testing.assert_close(sums.rstd(), sums_ref.rstd(), rtol=8e-3, atol=0)
+    y = tree_ssd_scan(**{**a, "z": None}).reshape(T, H * P)
+    g = ops.gated_rms_norm(y, a["z"].reshape(T, H * P), w, H * P, 1e-5, torch.bfloat16)
+    assert_close(u.float() * sums.rstd()[:, None], g.float(), BF16_TOL, "u * rstd vs the scan and the norm apart")
+    assert torch.equal(a["ssm_state"], before), "the state pool must not be modified"
 
 
 @gpu
@@ -211,6 +240,9 @@ def test_kernels_compile_for_h100():
         tree_ssd_scan(**args)  # four row tiles; eight mask words per row
         args, _ = tree_case([(64, "random")], 1, 128, 128, 1, seed=8, dtype=torch.bfloat16)
         tree_ssd_scan(**args, block_p=32)  # the 8B shape's small-batch launch: d_state in one chunk
+        for n in (16, 64):  # a Mamba2 verify: the gated norm less its scale in the epilogue
+            args, _ = tree_case([(n, "random")], 1, 64, 128, 1, seed=8, dtype=torch.bfloat16)
+            tree_ssd_scan_deferred_norm(**args, norm_weight=torch.ones(64, dtype=torch.bfloat16), norm_eps=1e-5)
         args, _ = tree_case([(20, "random")], 1, 64, 128, 1, seed=8)  # fp32 activations: tf32x3 dots
         tree_ssd_scan(**args)
         ssd_prefill(**prefill_case(70, 1, 64, 128, 1, seed=8))

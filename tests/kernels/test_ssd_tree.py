@@ -3,7 +3,12 @@ import pytest
 import torch
 
 from kernels import ssm_common
-from kernels.ssd_tree import tree_ssd_scan, tree_ssd_scan_ref
+from kernels.ssd_tree import (
+    tree_ssd_scan,
+    tree_ssd_scan_deferred_norm,
+    tree_ssd_scan_deferred_norm_ref,
+    tree_ssd_scan_ref,
+)
 from kernels.ssm_decode import ssm_chain_update
 from tests.kernels import tree_cases
 from tests.kernels.ssm_oracle import assert_close, nan_output, oracle_tree, tree_case
@@ -117,3 +122,55 @@ def test_mis_shaped_structure_is_refused():
     args, _ = tree_case([(20, "random")], 1, 16, 16, 1, seed=20)
     with pytest.raises(ValueError, match="ancestors"):
         tree_ssd_scan(**args, ancestors=torch.zeros(20, 4, dtype=torch.int32))
+
+
+def check_deferred_norm(args, lists, tol, twin_tol):
+    """The scan with the gated norm less its scale: u * rstd is the normalised gated output (float64
+    oracle), Triton equals its twin (u, and the rstd of the partial sums), every node's partial sums
+    are written, and the state pool is only read."""
+    T, H, P = args["x"].shape
+    gen = torch.Generator().manual_seed(T)
+    weight = (torch.rand(H * P, generator=gen) + 0.5).to(args["x"].dtype)
+    eps = 1e-5
+    g = oracle_tree(args, lists).reshape(T, H * P)  # y * silu(z), float64
+    want = weight.double() * g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    state_before = args["ssm_state"].clone()
+    u, sums = tree_ssd_scan_deferred_norm(**args, norm_weight=weight, norm_eps=eps)
+    u_ref, sums_ref = tree_ssd_scan_deferred_norm_ref(**args, norm_weight=weight, norm_eps=eps)
+    assert u.shape == (T, H * P) and u.dtype == torch.promote_types(weight.dtype, args["z"].dtype)
+    assert sums.parts.shape[0] == T and sums.parts.shape[1] >= H and not sums.parts.isnan().any()
+    assert sums.count == sums_ref.count == H * P and sums.eps == sums_ref.eps == eps
+    for uu, ss, name in ((u, sums, "triton"), (u_ref, sums_ref, "twin")):
+        assert_close(uu.double() * ss.rstd().double()[:, None], want, tol, f"{name} u * rstd vs oracle")
+    assert_close(u, u_ref, twin_tol, "triton vs twin u")
+    assert_close(sums.rstd(), sums_ref.rstd(), twin_tol, "triton vs twin rstd")
+    assert torch.equal(args["ssm_state"], state_before), "the state pool must not be modified"
+
+
+@pytest.mark.parametrize("k", range(len(SHAPES)))
+def test_deferred_norm_every_shape(k):
+    kinds = tree_cases.KINDS
+    spec = [(9 + 4 * k, kinds[k % len(kinds)]), (1, "single"), (6, "random"), (5, "chain")]
+    check_deferred_norm(*tree_case(spec, *SHAPES[k], seed=40 + k), 1e-4, 1e-5)
+
+
+def test_deferred_norm_tree_larger_than_one_tile():
+    check_deferred_norm(*tree_case([(70, "deep"), (3, "star")], H=2, P=16, N=16, G=1, seed=44), 1e-4, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_deferred_norm_half_precision(dtype):
+    """Rounded where the unfused scan + gated norm round (the scan's output, the gated value, the
+    product with the weight): at most an ulp from the twin."""
+    args, lists = tree_case([(10, "random"), (6, "bushy")], 2, 16, 32, 2, seed=45, dtype=dtype)
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    check_deferred_norm(args, lists, tol, tol)
+
+
+def test_deferred_norm_refuses_what_it_cannot_do():
+    args, _ = tree_case([(5, "random")], 2, 16, 16, 1, seed=46)
+    weight = torch.ones(32)
+    with pytest.raises(ValueError, match="norm weight"):
+        tree_ssd_scan_deferred_norm(**args, norm_weight=weight[:31], norm_eps=1e-5)
+    with pytest.raises(ValueError, match="z"):
+        tree_ssd_scan_deferred_norm(**dict(args, z=None), norm_weight=weight, norm_eps=1e-5)

@@ -262,7 +262,7 @@ def test_zamba2_layout(saved):
     assert _transformer_sources(cfg, available) == [f"model.layers.{i}.shared_transformer" for i in (0, 2, 4)]
     a, m = cfg.blocks[0].attention, cfg.blocks[0].mamba
     assert (a.n_kv_heads, a.rotary_dim, m.norm_group_size, m.proj_bias) == (2, 0, 64, False)
-    assert lm.blocks[0].mixer.decode_defers_norm and cfg.layout("adapted") == ("gate_up",)
+    assert lm.blocks[0].mixer.defers_norm and cfg.layout("adapted") == ("gate_up",)
 
 
 @pytest.mark.parametrize("arch", ZAMBA)

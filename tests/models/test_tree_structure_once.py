@@ -14,20 +14,26 @@ from tests.models.trees import random_tree
 
 
 def _spy(monkeypatch):
+    """Count the builds; record the ancestors every tree scan receives (both scan variants: a layer
+    whose gated norm is deferred runs `tree_ssd_scan_deferred_norm`)."""
     builds, seen = [], []
-    build, scan = ops.ancestor_bits, ops.tree_ssd_scan
+    build = ops.ancestor_bits
 
     def counting_build(*args, **kwargs):
         out = build(*args, **kwargs)
         builds.append(out)
         return out
 
-    def recording_scan(*args, **kwargs):
-        seen.append(kwargs.get("ancestors"))
-        return scan(*args, **kwargs)
+    def recording(scan):
+        def recording_scan(*args, **kwargs):
+            seen.append(kwargs.get("ancestors"))
+            return scan(*args, **kwargs)
+
+        return recording_scan
 
     monkeypatch.setattr(ops, "ancestor_bits", counting_build)
-    monkeypatch.setattr(ops, "tree_ssd_scan", recording_scan)
+    for name in ("tree_ssd_scan", "tree_ssd_scan_deferred_norm"):
+        monkeypatch.setattr(ops, name, recording(getattr(ops, name)))
     return builds, seen
 
 

@@ -258,7 +258,7 @@ def tree_conv1d(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, ca
         raise ValueError(f"conv width {W} is not in 1..4")
     xbc = xbc.contiguous() if xbc.stride(1) != 1 else xbc
     weight = weight.contiguous()
-    _check_ring(conv_state, W)
+    check_ring(conv_state, W)
     if out is None:
         out = torch.empty(T, D, dtype=xbc.dtype, device=xbc.device)
     elif out.shape != (T, D) or out.stride(1) != 1:
@@ -317,9 +317,10 @@ def _conv_commit_kernel(
     tl.store(base + col[None, :], new.to(state_ptr.dtype.element_ty), mask=d_ok[:, None] & taken[None, :])
 
 
-def _check_ring(conv_state, W: int) -> None:
+def check_ring(conv_state, W: int) -> None:
+    """conv_state (..., D, W): rings of a width-W conv, contiguous along the last axis."""
     if conv_state.shape[-1] != W:
-        raise ValueError(f"conv_state has {conv_state.shape[-1]} columns; a width-{W} conv keeps a ring of {W}")
+        raise ValueError(f"conv_state has {conv_state.shape[-1]} columns; a width-{W} conv keeps rings of {W}")
     if conv_state.stride(-1) != 1:
         raise ValueError("conv_state must be contiguous along its last axis")
 
@@ -332,7 +333,7 @@ def conv_state_commit(conv_state, slot_idx, xbc, rows, path_len, cache_lens):
     S, L, D, W = state.shape
     if nb == 0 or K == 0:
         return
-    _check_ring(state, W)
+    check_ring(state, W)
     xbc = xbc if xbc.stride(2) == 1 else xbc.contiguous()
     BLOCK_D = min(256, triton.next_power_of_2(max(D, 16)))
     grid = (nb, L, triton.cdiv(D, BLOCK_D))
@@ -402,7 +403,7 @@ def conv1d_prefill(xbc, weight, bias, conv_state=None, start: int = 0):
     state_dtype = conv_state.dtype if conv_state is not None else xbc.dtype
     if conv_state is not None:
         conv_state = conv_state.contiguous()
-        _check_ring(conv_state, W)
+        check_ring(conv_state, W)
     out = torch.empty_like(xbc)
     if L == 0:
         return out, (conv_state.clone() if conv_state is not None else torch.zeros(D, W, dtype=state_dtype,

@@ -44,7 +44,7 @@ import triton.language as tl
 
 from kernels import pdl, ssm_common
 from kernels.pdl import release_next, wait_for_previous
-from kernels.conv_tree import conv_state_commit_ref, tree_conv1d_ref
+from kernels.conv_tree import check_ring, conv_state_commit_ref, tree_conv1d_ref
 from kernels.norms import SumOfSquares, gated_rms_norm_deferred_ref, gated_rms_norm_ref
 from kernels.ssm_common import as_int32, heads_per_group, last_axis_contiguous, limits, pow2, silu, softplus_clamped
 from kernels.ssm_decode import ssm_chain_update_ref
@@ -90,8 +90,8 @@ def mamba_decode_step_ref(
 
     zxbcdt (B, 2 d_inner + 2 G N + H) in_proj output (z | xBC | dt) in the activation dtype;
     conv_state (S, conv_dim, W) rings (model dtype) and ssm_state (S, H, P, N) (fp32), both advanced in
-    place at `slot_idx (B,)`, whose committed lengths are `cache_lens (B,)` int32; conv_weight (conv_dim, W), conv_bias (conv_dim,) or None; A, D, dt_bias (H,)
-    fp32 (D may be None); norm_weight (d_inner,). `arrivals` is the Triton kernel's workspace
+    place at `slot_idx (B,)`, whose committed lengths are `cache_lens (B,)` int32; conv_weight
+    (conv_dim, W), conv_bias (conv_dim,) or None; A, D, dt_bias (H,) fp32 (D may be None); norm_weight (d_inner,). `arrivals` is the Triton kernel's workspace
     (unused here). -> (B, d_inner) in the promoted dtype of norm_weight and zxbcdt.
     """
     y, z = _gated_inputs_ref(zxbcdt, conv_state, ssm_state, slot_idx, cache_lens, conv_weight, conv_bias, A, D, dt_bias,
@@ -366,8 +366,7 @@ def _launch(zxbcdt, conv_state, ssm_state, slot_idx, cache_lens, conv_weight, co
         raise ValueError(f"conv width {W} is not in 1..4")
     if d_inner % norm_group_size or norm_group_size % P:
         raise ValueError(f"norm groups of {norm_group_size} channels must be whole heads of {P} within {d_inner}")
-    if conv_state.shape[-1] != W or conv_state.stride(2) != 1:
-        raise ValueError(f"conv_state must be rings of {W} columns, contiguous along the last axis")
+    check_ring(conv_state, W)
     out_dtype = zxbcdt.dtype if norm_weight is None else torch.promote_types(norm_weight.dtype, zxbcdt.dtype)
     out = ssm_common.new_output((nb, d_inner), out_dtype, zxbcdt.device)
     bn = pow2(N, 1)

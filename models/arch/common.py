@@ -245,5 +245,5 @@ def rope_parameters(hf, model: str, path: str) -> dict:
         raise CheckpointError(
             f"RoPE type {rope_type!r} (rope scaling) is not supported for {model} (only 'default')", path=path
         )
-    params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    params["rope_theta"] = float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
     return params

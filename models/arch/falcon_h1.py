@@ -86,7 +86,7 @@ def normalise(hf, path: str) -> HybridConfig:
         if kind != "hybrid":
             raise CheckpointError(f"layer {i} has unsupported block type {kind!r} (FalconH1 layers are 'hybrid')", path=path)
     mamba = _mamba(hf, path)
-    attn = common.attention_spec(hf, common.head_dim(hf), float(common.rope_parameters(hf, "FalconH1", path)["rope_theta"]))
+    attn = common.attention_spec(hf, common.head_dim(hf), common.rope_parameters(hf, "FalconH1", path)["rope_theta"])
     mlp = MLPSpec(hf.intermediate_size, hf.hidden_act, gated=True, bias=bool(hf.mlp_bias))
     blocks = [ParallelSpec(mamba, attn), mlp] * hf.num_hidden_layers
     tied = bool(hf.tie_word_embeddings)

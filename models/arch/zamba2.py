@@ -95,8 +95,9 @@ def _attention(hf, path: str) -> AttentionSpec:
         )
     head_dim = width // heads
     rotary = head_dim if hf.use_mem_rope else 0
+    theta = common.rope_parameters(hf, "Zamba2", path)["rope_theta"] if rotary else 10000.0
     return AttentionSpec(heads, kv_heads, head_dim, qkv_bias=False, out_bias=False, rotary_dim=rotary,
-                         rope_theta=float(common.rope_parameters(hf, "Zamba2", path)["rope_theta"]) if rotary else 10000.0, scale=(head_dim / 2) ** -0.5)
+                         rope_theta=theta, scale=(head_dim / 2) ** -0.5)
 
 
 def normalise(hf, path: str) -> HybridConfig:

@@ -165,7 +165,6 @@ class MambaMixer(nn.Module):
         )
         ancestors = batch.ancestors()  # built once per forward, shared by every Mamba layer
         if self.defers_norm:  # the gated norm, less its scale, in the scan's own epilogue
-            T = h.shape[0]
             u, sums = ops.tree_ssd_scan_deferred_norm(
                 *scan, z.unflatten(-1, (s.n_heads, s.head_dim)), self.norm_weight, s.norm_eps, ancestors=ancestors,
             )

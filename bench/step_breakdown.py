@@ -17,8 +17,9 @@ its calls: an op that no stand-in call replaced (not on this model's path) is re
 not as free. `base` runs first, in the middle and last: its spread is the noise to read the
 differences against.
 
-Ops (`OPS`): the Mamba2 mixer's in_proj, tree conv, tree scan, gated norm and out_proj, the fused
-decode step (conv + state update + gated norm), the residual add + RMSNorm at block boundaries,
+Ops (`OPS`): the Mamba2 mixer's in_proj, tree conv, in_proj and tree conv in one launch (what a
+verify of 2..32 nodes runs on CUDA instead of those two), tree scan, gated norm and out_proj, the
+fused decode step (conv + state update + gated norm), the residual add + RMSNorm at block boundaries,
 whole attention mixers and, within them, the qkv projection, RoPE, the K/V write into the cache
 (and a verify's stash), the tree attention kernel (decode runs it too, as a one-node tree) and
 o_proj; whole MLP / MoE mixers; and the LM head.
@@ -42,7 +43,7 @@ from models.layers.attention import Attention
 from models.layers.mamba import MambaMixer
 from models.layers.mlp import MLP, MoE
 
-OPS = ("in_proj", "tree_conv", "tree_scan", "gated_norm", "out_proj", "decode_step", "add_norm", "attention",
+OPS = ("in_proj", "tree_conv", "proj_conv", "tree_scan", "gated_norm", "out_proj", "decode_step", "add_norm", "attention",
        "qkv_proj", "rope", "write_kv", "tree_attention", "o_proj", "mlp", "lm_head")
 
 
@@ -99,6 +100,11 @@ def knocked_out(lm, op: str) -> Iterator[list[int]]:
                 swap(_swapped(m.out_proj, "forward", _counted(lambda x: _blank((x.shape[0], d_model), x), calls)))
         elif op == "tree_conv":
             swap(_swapped(kernel_ops, "tree_conv1d", _counted(lambda *a, out=None, **k: out, calls)))
+        elif op == "proj_conv":
+            def proj_conv(h, weight, *a, conv_out=None, **k):
+                return _blank((h.shape[0], weight.shape[0]), h), conv_out
+
+            swap(_swapped(kernel_ops, "project_tree_conv", _counted(proj_conv, calls)))
         elif op == "tree_scan":  # with the deferred gated norm its epilogue goes too
             swap(_swapped(kernel_ops, "tree_ssd_scan", _counted(lambda x, *a, **k: _blank(x.shape, x), calls)))
 

@@ -153,16 +153,32 @@ def _rows_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, 
     """Program (n, s) owns output columns n*BN.. and the reduction's BK-wide tiles
     s*k_tiles_per_program.. (past K: masked to zero); with SPLIT_K the partial sums go to part
     (splits, BM, N) fp32 and the column tile's last program to arrive (arrive_ptr[n], left at zero)
-    adds them up and writes y.
+    adds them up and writes y."""
+    release_next(PDL)
+    m, m_ok, n, n_ok, acc = dot_rows(x_ptr, w_ptr, M, N, K, k_tiles_per_program, s_xm, s_wn, BM, BN, BK, STAGES,
+                                     PREC, PDL)
+    y_ok = n_ok[:, None] & m_ok[None, :]
+    if SPLIT_K:
+        acc, last = add_up_splits(acc, part_ptr, arrive_ptr, m, n, y_ok, N)
+        if last:
+            _store_y(acc, y_ptr + m[None, :] * s_ym + n[:, None], y_ok, b_ptr, n, n_ok, HAS_BIAS)
+    else:
+        _store_y(acc, y_ptr + m[None, :] * s_ym + n[:, None], y_ok, b_ptr, n, n_ok, HAS_BIAS)
+
+
+@triton.jit
+def dot_rows(x_ptr, w_ptr, M, N, K, k_tiles_per_program, s_xm, s_wn, BM: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, STAGES: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+    """The dot path's main loop for program (n, s) -> (m (BM,), m_ok, n (BN,), n_ok, acc (BN, BM) fp32):
+    this program's share of y^T for output columns n and rows m. It waits for the kernel before
+    (PDL) after issuing its first weight tile.
 
     The weight tile is the MMA's left operand and the few rows its right one, so the accumulator
     and every (column, row) offset are laid out (BN, BM): Hopper's warpgroup MMA needs a left operand
     of 64 or more rows, which BM rows of x are not (rows first, Triton falls back to mma.sync)."""
-    release_next(PDL)
     m = tl.arange(0, BM)  # rows past M are masked to zero
     m_ok = m < M
-    pid_n = tl.program_id(0)
-    n = pid_n * BN + tl.arange(0, BN)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = n < N
     k_lo = tl.program_id(1) * k_tiles_per_program * BK
     k = k_lo + tl.arange(0, BK)
@@ -181,22 +197,29 @@ def _rows_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, 
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
                     eviction_policy="evict_first")
         acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
-    y_ok = n_ok[:, None] & m_ok[None, :]
-    if SPLIT_K:
-        parts = part_ptr + m[None, :] * N + n[:, None]  # + split * BM * N
-        tl.store(parts + tl.program_id(1) * BM * N, acc, mask=y_ok)
-        # every store of this program is done (barrier) before its arrival is published (release);
-        # the last arriver's acquire makes the other programs' partial sums visible to it
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrive_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(1) - 1:
-            acc = tl.zeros_like(acc)
-            for s in range(tl.num_programs(1)):  # in split order: the sum does not depend on timing
-                acc += tl.load(parts + s * BM * N, mask=y_ok, other=0.0, cache_modifier=".cg")
-            tl.store(arrive_ptr + pid_n, 0)  # ready for the next launch
-            _store_y(acc, y_ptr + m[None, :] * s_ym + n[:, None], y_ok, b_ptr, n, n_ok, HAS_BIAS)
-    else:
-        _store_y(acc, y_ptr + m[None, :] * s_ym + n[:, None], y_ok, b_ptr, n, n_ok, HAS_BIAS)
+    return m, m_ok, n, n_ok, acc
+
+
+@triton.jit
+def add_up_splits(acc, part_ptr, arrive_ptr, m, n, y_ok, N):
+    """Split-K: leave this program's (BN, BM) partial sums in part (splits, BM, N) fp32 and count its
+    arrival on its column tile (arrive_ptr[column tile], left at zero) -> (the column tile's whole
+    sums, whether this program arrived last). Only the last program's sums are whole: it adds the
+    partials in split order, so the result does not depend on timing."""
+    BM: tl.constexpr = acc.shape[1]
+    parts = part_ptr + m[None, :] * N + n[:, None]  # + split * BM * N
+    tl.store(parts + tl.program_id(1) * BM * N, acc, mask=y_ok)
+    # every store of this program is done (barrier) before its arrival is published (release);
+    # the last arriver's acquire makes the other programs' partial sums visible to it
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrive_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+    last = arrived == tl.num_programs(1) - 1
+    if last:
+        acc = tl.zeros_like(acc)
+        for s in range(tl.num_programs(1)):
+            acc += tl.load(parts + s * BM * N, mask=y_ok, other=0.0, cache_modifier=".cg")
+        tl.store(arrive_ptr + tl.program_id(0), 0)  # ready for the next launch
+    return acc, last
 
 
 @triton.jit

@@ -31,6 +31,7 @@ _HOME = {
     "add_rms_norm": "kernels.norms",
     "gated_rms_norm": "kernels.norms",
     "few_rows_linear": "kernels.few_rows_linear",
+    "project_tree_conv": "kernels.proj_conv",
     "rope_qk": "kernels.rope",
     "silu_mul": "kernels.silu_mul",
 }
@@ -40,12 +41,16 @@ def _mode() -> str:
     return os.environ.get("TREESERVE_KERNELS", "auto")
 
 
+def runs_triton(device: torch.device) -> bool:
+    """Whether kernels for tensors on `device` run in Triton (else their PyTorch twins)."""
+    mode = _mode()
+    return mode == "triton" or (mode == "auto" and device.type == "cuda")
+
+
 def implementation(name: str, device: torch.device):
     """The function that runs kernel `name` for tensors on `device`."""
     module = importlib.import_module(_HOME[name])
-    mode = _mode()
-    use_triton = mode == "triton" or (mode == "auto" and device.type == "cuda")
-    return getattr(module, name if use_triton else f"{name}_ref")
+    return getattr(module, name if runs_triton(device) else f"{name}_ref")
 
 
 def _dispatcher(name: str):
@@ -77,5 +82,6 @@ rms_norm = _dispatcher("rms_norm")
 add_rms_norm = _dispatcher("add_rms_norm")
 gated_rms_norm = _dispatcher("gated_rms_norm")
 few_rows_linear = _dispatcher("few_rows_linear")
+project_tree_conv = _dispatcher("project_tree_conv")
 rope_qk = _dispatcher("rope_qk")
 silu_mul = _dispatcher("silu_mul")

@@ -5,7 +5,9 @@ F.linear:
 - 2..DOT_ROWS rows (a small tree, a small decode batch) of a layer at most DOT_MAX_OUT wide. There
   cuBLAS splits K and adds a reduction launch; our split-K kernel reduces in its last program.
   Wider layers (in_proj, the MLP's gate_up) have enough output columns for cuBLAS to stream W
-  without a split, and it is faster on them."""
+  without a split, and it is faster on them, or as fast.
+A Mamba2 verify of 2..32 nodes does not come here for its in_proj: it runs the dot path with the
+tree conv in its epilogue (kernels/proj_conv.py)."""
 from __future__ import annotations
 
 import torch

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import ops
+from kernels import ops, proj_conv
 from models.batch import Packed
 from models.config import MambaSpec
 from models.layers.linear import Linear
@@ -56,8 +56,11 @@ class MambaMixer(nn.Module):
     # ---- pieces -------------------------------------------------------------------------------
     def _project(self, h: torch.Tensor):
         """h (T, d_model) -> (zxbcdt (T, in_proj_dim), and its z, xBC, dt column views)."""
+        return self._columns(self.in_proj(h))
+
+    def _columns(self, zxbcdt: torch.Tensor):
+        """in_proj's output (T, in_proj_dim) -> (it, and its z, xBC, dt column views)."""
         s = self.spec
-        zxbcdt = self.in_proj(h)
         return (zxbcdt, *zxbcdt.split([s.d_inner, s.conv_dim, s.n_heads], dim=-1))
 
     def _finish(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -149,15 +152,19 @@ class MambaMixer(nn.Module):
         """h (T, d_model) packed tree nodes -> (T, d_model), or RowScaled((T, d_model), SumOfSquares) when
         the gated norm's scale is deferred (as in `decode`); state untouched, commit data stashed."""
         s = self.spec
-        zxbcdt, z, _, dt = self._project(h)
         # the conv also keeps what a commit needs: xBC | dt as they came (adjacent in_proj columns),
         # and writes its output into the stash, where the scan below and a later commit read it
         raw, conv_out = stash.mamba_rows(self.layer, h.shape[0])
-        ops.tree_conv1d(
-            zxbcdt[:, s.d_inner:], self.conv_weight, self.conv_bias, pool.conv_layer(self.layer),
-            batch.parents, batch.cu_seqlens, batch.slot_idx, batch.cache_lens, batch.max_nodes, out=conv_out,
-            stash=raw,
-        )
+        conv = (self.conv_weight, self.conv_bias, pool.conv_layer(self.layer), batch.parents, batch.cu_seqlens,
+                batch.slot_idx, batch.cache_lens, batch.max_nodes)
+        if ops.runs_triton(h.device) and proj_conv.fits(h.shape[0]) and h.dtype == self.in_proj.weight.dtype:
+            # a small tree: the conv in in_proj's epilogue, one launch (kernels/proj_conv.py)
+            zxbcdt, _ = ops.project_tree_conv(h, self.in_proj.weight, self.in_proj.bias, s.d_inner, *conv, stash=raw,
+                                              conv_out=conv_out)
+            _, z, _, dt = self._columns(zxbcdt)
+        else:
+            zxbcdt, z, _, dt = self._project(h)
+            ops.tree_conv1d(zxbcdt[:, s.d_inner:], *conv, out=conv_out, stash=raw)
         x, B, C = s.split_conv(conv_out)
         scan = (
             x, dt, self.A, B, C, self.D, self.dt_bias, pool.ssm_layer(self.layer),

@@ -39,8 +39,10 @@ _REACHED = {
     "gated_norm": ("mamba2", 1), "out_proj": ("mamba2", 1), "decode_step": ("mamba2", 0),
     "add_norm": ("mamba2", 1), "lm_head": ("mamba2", 1), "attention": ("bamba", 1), "mlp": ("bamba", 1),
     "qkv_proj": ("bamba", 1), "tree_attention": ("bamba", 0), "o_proj": ("bamba", 1), "rope": ("bamba", 1),
-    "write_kv": ("bamba", 0),
+    "write_kv": ("bamba", 0), "proj_conv": ("mamba2", 1),
 }
+# ops only the Triton kernels run (interpreted here)
+_TRITON_ONLY = {"proj_conv"}
 
 
 def test_every_op_has_a_case():
@@ -48,8 +50,13 @@ def test_every_op_has_a_case():
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_knockout_replaces_the_op_and_restores_it(op):
+def test_knockout_replaces_the_op_and_restores_it(monkeypatch, op):
     arch, which = _REACHED[op]
+    if op in _TRITON_ONLY:
+        from tests.kernels import interpret_compat
+
+        interpret_compat.install()
+        monkeypatch.setenv("TREESERVE_KERNELS", "triton")
     with torch.no_grad():
         lm = _lm(arch)
         base = _outputs(lm)

@@ -1,0 +1,177 @@
+"""A Mamba2 layer's in_proj and its tree conv in one launch, for a verify of a few nodes.
+
+In a verify of up to MAX_CONV_ROWS nodes, the few-row dot path (kernels/few_rows_linear.py) gives each
+program BN output columns of in_proj for every node of the batch. For the conv's input channels
+that is everything the tree conv needs from in_proj: each node's window is the node and its W-1
+nearest ancestors along its path, all rows of the same tile, topped up from the committed conv ring
+past the root. So the conv runs in the projection's epilogue, from registers:
+- tap s of node i is row anc_s(i) of the tile (an in-register gather along the rows), or, past the
+  root, ring column (n - beyond) mod W of the tree's slot (kernels/conv_tree.py's convention);
+- the gathered values are the projection's outputs rounded to its dtype, so every tap is the value
+  the separate conv would have read from memory;
+- the stash (raw xBC | dt, what a commit needs) and the conv's output are written by the same
+  program.
+That removes the separate conv launch and its wait on in_proj from every Mamba2 layer of a verify.
+
+    h (T, K) rows, weight (N, K) in_proj, bias (N,) or None; its columns [conv_lo, conv_lo + D) are
+    the conv's D input channels and [conv_lo, N) the stashed ones (xBC | dt). conv_weight (D, W),
+    conv_bias (D,) or None, conv_state (S, D, W) rings, parents / cu_seqlens / slot_idx / cache_lens
+    as kernels/conv_tree.py -> (y (T, N), conv_out (T, D)); stash (T, N - conv_lo) <- y[:, conv_lo:].
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import pdl
+from kernels.conv_tree import check_ring, tree_conv1d_ref
+from kernels.few_rows_linear import SplitWorkspace, add_up_splits, dot_launch, dot_rows, few_rows_linear_ref
+from kernels.pdl import release_next
+from kernels.ssm_common import as_int32, dot_precision, last_axis_contiguous
+
+
+def project_tree_conv_ref(h, weight, bias, conv_lo, conv_weight, conv_bias, conv_state, parents, cu_seqlens,
+                          slot_idx, cache_lens, max_nodes, *, stash, conv_out=None):
+    """PyTorch twin of `project_tree_conv`: the projection (fp32 sums, one rounding), then the tree
+    conv of its columns [conv_lo, N) with the stash."""
+    y = few_rows_linear_ref(h, weight, bias)
+    out = tree_conv1d_ref(y[:, conv_lo:], conv_weight, conv_bias, conv_state, parents, cu_seqlens, slot_idx,
+                          cache_lens, max_nodes, out=conv_out, stash=stash)
+    return y, out
+
+
+@triton.jit
+def _project_tree_conv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrive_ptr,
+    cw_ptr, cb_ptr, state_ptr, parents_ptr, cu_ptr, slot_ptr, lens_ptr, conv_ptr, raw_ptr,
+    M, N, K, k_tiles_per_program, conv_lo, D, n_trees,
+    s_xm, s_wn, s_ym, s_cwd, s_ss, s_sd, s_cm, s_rm,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, W: tl.constexpr, TREES: tl.constexpr,
+    PREC: tl.constexpr, PDL: tl.constexpr,
+):
+    """The dot path's programs (kernels/few_rows_linear._rows_dot_kernel); whichever program holds a
+    column tile's whole sums (the only one, or the split's last arriver) writes y and, for columns
+    at or past conv_lo, the stash and the conv."""
+    release_next(PDL)
+    m, m_ok, n, n_ok, acc = dot_rows(x_ptr, w_ptr, M, N, K, k_tiles_per_program, s_xm, s_wn, BM, BN, BK, STAGES,
+                                     PREC, PDL)
+    y_ok = n_ok[:, None] & m_ok[None, :]
+    whole = True
+    if SPLIT_K:
+        acc, whole = add_up_splits(acc, part_ptr, arrive_ptr, m, n, y_ok, N)
+    if whole:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        y = acc.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + m[None, :] * s_ym + n[:, None], y, mask=y_ok)
+        first = tl.program_id(0) * BN
+        if first + BN > conv_lo:  # this tile holds stashed columns
+            c = n - conv_lo  # stash column; the conv's channel where c < D
+            tl.store(raw_ptr + m[None, :] * s_rm + c[:, None], y, mask=y_ok & (c >= 0)[:, None])
+            if first < conv_lo + D:  # and conv channels
+                _tree_conv_epilogue(y.to(tl.float32), c, m, m_ok, cw_ptr, cb_ptr, state_ptr, parents_ptr, cu_ptr,
+                                    slot_ptr, lens_ptr, conv_ptr, D, n_trees, s_cwd, s_ss, s_sd, s_cm,
+                                    HAS_CONV_BIAS, W, TREES)
+
+
+@triton.jit
+def _tree_conv_epilogue(v, c, m, m_ok, cw_ptr, cb_ptr, state_ptr, parents_ptr, cu_ptr, slot_ptr, lens_ptr,
+                        conv_ptr, D, n_trees, s_cwd, s_ss, s_sd, s_cm, HAS_CONV_BIAS: tl.constexpr,
+                        W: tl.constexpr, TREES: tl.constexpr):
+    """conv_out[m, c] = silu(sum_s conv_weight[c, W-1-s] * tap_s + bias) for the tile's channels c
+    (BN,) and packed rows m (BM,), v (BN, BM) the projection's rounded outputs."""
+    BN: tl.constexpr = v.shape[0]
+    BM: tl.constexpr = v.shape[1]
+    c_ok = (c >= 0) & (c < D)
+    # each row's tree: the number of trees that end at or before it (cu_seqlens[1:] <= row)
+    t = tl.arange(0, TREES)
+    ends = tl.load(cu_ptr + 1 + t, mask=t < n_trees, other=2147483647)
+    tree = tl.sum((ends[None, :] <= m[:, None]).to(tl.int32), axis=1)
+    tree = tl.minimum(tree, n_trees - 1)
+    start = tl.load(cu_ptr + tree)
+    slot = tl.load(slot_ptr + tree).to(tl.int64)
+    n_committed = tl.load(lens_ptr + tree)
+    st = state_ptr + slot[None, :] * s_ss + c.to(tl.int64)[:, None] * s_sd  # (BN, BM)
+
+    acc = v * tl.load(cw_ptr + c * s_cwd + (W - 1), mask=c_ok, other=0.0).to(tl.float32)[:, None]
+    cur = tl.where(m_ok, m - start, -1)  # local node on the walk, -1 once past the root
+    beyond = tl.zeros((BM,), dtype=tl.int32)  # steps taken past the root
+    for s in tl.static_range(1, W):  # the s-th ancestor multiplies weight column W-1-s
+        on_path = cur >= 0
+        cur = tl.where(on_path, tl.load(parents_ptr + start + tl.maximum(cur, 0), mask=on_path & m_ok, other=-1),
+                       cur)
+        on_path = cur >= 0
+        beyond += tl.where(on_path, 0, 1)
+        row = tl.where(on_path, start + cur, 0)
+        from_tile = tl.gather(v, tl.broadcast_to(row[None, :], (BN, BM)), axis=1)
+        col = (n_committed - beyond) % W
+        col = tl.where(col < 0, col + W, col)
+        from_state = tl.load(st + col[None, :], mask=c_ok[:, None] & (m_ok & ~on_path)[None, :],
+                             other=0.0).to(tl.float32)
+        tap = tl.where(on_path[None, :], from_tile, from_state)
+        acc += tap * tl.load(cw_ptr + c * s_cwd + (W - 1 - s), mask=c_ok, other=0.0).to(tl.float32)[:, None]
+    if HAS_CONV_BIAS:
+        acc += tl.load(cb_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[:, None]
+    out = acc / (1.0 + tl.exp(-acc))
+    tl.store(conv_ptr + m[None, :] * s_cm + c[:, None], out.to(conv_ptr.dtype.element_ty),
+             mask=c_ok[:, None] & m_ok[None, :])
+
+
+# Rows one launch takes: a 16- or 32-row tile of the dot path. With 64 rows the epilogue's (BN, 64)
+# tiles outgrow the registers (ptxas: 255 and 124 bytes of spills on sm_90).
+MAX_CONV_ROWS = 32
+
+
+def fits(rows: int) -> bool:
+    """Whether `project_tree_conv` takes a verify of `rows` packed nodes."""
+    return 2 <= rows <= MAX_CONV_ROWS
+
+
+def project_tree_conv(h, weight, bias, conv_lo, conv_weight, conv_bias, conv_state, parents, cu_seqlens, slot_idx,
+                      cache_lens, max_nodes, *, stash, conv_out=None):
+    """Triton twin of `project_tree_conv_ref`, for 2..MAX_CONV_ROWS rows (`fits`); `conv_out` (T, D) with
+    contiguous channels receives the conv when given."""
+    T, K = h.shape
+    N = weight.shape[0]
+    D, W = conv_weight.shape
+    if not fits(T):
+        raise ValueError(f"{T} rows: project_tree_conv takes 2..{MAX_CONV_ROWS} (use few_rows_linear and tree_conv1d)")
+    if weight.shape[1] != K or h.dtype != weight.dtype:
+        raise ValueError(f"h {tuple(h.shape)} {h.dtype} does not fit weight {tuple(weight.shape)} {weight.dtype}")
+    if not 0 <= conv_lo <= N - D:
+        raise ValueError(f"conv channels [{conv_lo}, {conv_lo + D}) are not columns of a {N}-column projection")
+    if not 1 <= W <= 4:
+        raise ValueError(f"conv width {W} is not in 1..4")
+    if stash.shape != (T, N - conv_lo) or stash.stride(1) != 1:
+        raise ValueError(f"stash must be ({T}, {N - conv_lo}) with contiguous columns, got {tuple(stash.shape)}")
+    check_ring(conv_state, W)
+    if conv_out is None:
+        conv_out = torch.empty(T, D, dtype=h.dtype, device=h.device)
+    elif conv_out.shape != (T, D) or conv_out.stride(1) != 1:
+        raise ValueError("conv_out must be (T, D) with contiguous channels")
+    y = torch.empty(T, N, dtype=h.dtype, device=h.device)
+    h = last_axis_contiguous(h)
+    weight = last_axis_contiguous(weight)
+    conv_weight = last_axis_contiguous(conv_weight)
+    plan = dot_launch(T, N, K, h.element_size())
+    tiles_n, splits = triton.cdiv(N, plan["BN"]), plan["splits"]
+    scratch = SplitWorkspace.get(h.device, splits * plan["BM"] * N, tiles_n) if splits > 1 else None
+    if scratch is None:
+        splits, plan["k_tiles_per_program"] = 1, triton.cdiv(K, plan["BK"])
+        scratch = (y, y)  # not read
+    n_trees = cu_seqlens.numel() - 1
+    _project_tree_conv_kernel[(tiles_n, splits)](
+        h, weight, bias if bias is not None else weight, y, scratch[0], scratch[1],
+        conv_weight, conv_bias if conv_bias is not None else conv_weight, conv_state, as_int32(parents),
+        as_int32(cu_seqlens), as_int32(slot_idx), as_int32(cache_lens), conv_out, stash,
+        T, N, K, plan["k_tiles_per_program"], conv_lo, D, n_trees,
+        h.stride(0), weight.stride(0), y.stride(0), conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1),
+        conv_out.stride(0), stash.stride(0),
+        BM=plan["BM"], BN=plan["BN"], BK=plan["BK"], STAGES=plan["num_stages"], SPLIT_K=splits > 1,
+        HAS_BIAS=bias is not None, HAS_CONV_BIAS=conv_bias is not None, W=W,
+        TREES=triton.next_power_of_2(max(n_trees, 1)), PREC=dot_precision(h.dtype),
+        **pdl.launch_options(h.device), num_warps=plan["num_warps"],
+    )
+    return y, conv_out

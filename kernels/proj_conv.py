@@ -119,8 +119,10 @@ def _tree_conv_epilogue(v, c, m, m_ok, cw_ptr, cb_ptr, state_ptr, parents_ptr, c
              mask=c_ok[:, None] & m_ok[None, :])
 
 
-# Rows one launch takes: a 16- or 32-row tile of the dot path. With 64 rows the epilogue's (BN, 64)
-# tiles outgrow the registers (ptxas: 255 and 124 bytes of spills on sm_90).
+# Rows one launch takes: a 16- or 32-row tile of the dot path. A 64-row tile's epilogue outgrows the
+# registers of 4 warps (ptxas: 124 bytes of spills on sm_90); with 8 it fits, but a 2.7B verify of
+# 48-64 nodes then took 4.15-4.27 ms, against 3.80-4.03 with cuBLAS and the separate conv (H100,
+# BENCHMARKS.md thirteenth round).
 MAX_CONV_ROWS = 32
 
 

@@ -53,8 +53,19 @@ def _project_tree_conv_kernel(
 ):
     """The dot path's programs (kernels/few_rows_linear._rows_dot_kernel); whichever program holds a
     column tile's whole sums (the only one, or the split's last arriver) writes y and, for columns
-    at or past conv_lo, the stash and the conv."""
+    at or past conv_lo, the stash and the conv.
+
+    What the conv needs besides the projection (each tap's row in the tile, the ring values past
+    the root, the conv weights) is fetched before the main loop, so its chain of dependent loads
+    (tree, parent, grandparent...) runs under the weight stream instead of after it. Under PDL that
+    is also before the wait: the tree tables and the committed rings are inputs of the step, which
+    no kernel of a verify writes."""
     release_next(PDL)
+    c = tl.program_id(0) * BN + tl.arange(0, BN) - conv_lo  # stash column; the conv's channel where c < D
+    c_ok = (c >= 0) & (c < D)
+    m = tl.arange(0, BM)
+    taps = _conv_taps(c, c_ok, m, m < M, cw_ptr, cb_ptr, state_ptr, parents_ptr, cu_ptr, slot_ptr, lens_ptr, n_trees,
+                      s_cwd, s_ss, s_sd, HAS_CONV_BIAS, W, TREES)
     m, m_ok, n, n_ok, acc = dot_rows(x_ptr, w_ptr, M, N, K, k_tiles_per_program, s_xm, s_wn, BM, BN, BK, STAGES,
                                      PREC, PDL)
     y_ok = n_ok[:, None] & m_ok[None, :]
@@ -68,55 +79,68 @@ def _project_tree_conv_kernel(
         tl.store(y_ptr + m[None, :] * s_ym + n[:, None], y, mask=y_ok)
         first = tl.program_id(0) * BN
         if first + BN > conv_lo:  # this tile holds stashed columns
-            c = n - conv_lo  # stash column; the conv's channel where c < D
             tl.store(raw_ptr + m[None, :] * s_rm + c[:, None], y, mask=y_ok & (c >= 0)[:, None])
             if first < conv_lo + D:  # and conv channels
-                _tree_conv_epilogue(y.to(tl.float32), c, m, m_ok, cw_ptr, cb_ptr, state_ptr, parents_ptr, cu_ptr,
-                                    slot_ptr, lens_ptr, conv_ptr, D, n_trees, s_cwd, s_ss, s_sd, s_cm,
-                                    HAS_CONV_BIAS, W, TREES)
+                out = _conv(y.to(tl.float32), taps, W)
+                tl.store(conv_ptr + m[None, :] * s_cm + c[:, None], out.to(conv_ptr.dtype.element_ty),
+                         mask=c_ok[:, None] & m_ok[None, :])
 
 
 @triton.jit
-def _tree_conv_epilogue(v, c, m, m_ok, cw_ptr, cb_ptr, state_ptr, parents_ptr, cu_ptr, slot_ptr, lens_ptr,
-                        conv_ptr, D, n_trees, s_cwd, s_ss, s_sd, s_cm, HAS_CONV_BIAS: tl.constexpr,
-                        W: tl.constexpr, TREES: tl.constexpr):
-    """conv_out[m, c] = silu(sum_s conv_weight[c, W-1-s] * tap_s + bias) for the tile's channels c
-    (BN,) and packed rows m (BM,), v (BN, BM) the projection's rounded outputs."""
-    BN: tl.constexpr = v.shape[0]
-    BM: tl.constexpr = v.shape[1]
-    c_ok = (c >= 0) & (c < D)
+def _conv_taps(c, c_ok, m, m_ok, cw_ptr, cb_ptr, state_ptr, parents_ptr, cu_ptr, slot_ptr, lens_ptr, n_trees,
+               s_cwd, s_ss, s_sd, HAS_CONV_BIAS: tl.constexpr, W: tl.constexpr, TREES: tl.constexpr):
+    """What the conv of the tile's channels c (BN,) at packed rows m (BM,) needs besides the projection:
+    (rows, values, weights, bias). For taps s = 1..W-1: rows[s-1] (BM,) the row of the tile it reads,
+    -1 past the root, and values[s-1] (BN, BM) fp32 the ring values it reads there (0 elsewhere).
+    weights[s] (BN,) fp32 multiplies tap s (conv_weight column W-1-s); bias (BN,) fp32."""
+    BM: tl.constexpr = m.shape[0]
     # each row's tree: the number of trees that end at or before it (cu_seqlens[1:] <= row)
     t = tl.arange(0, TREES)
     ends = tl.load(cu_ptr + 1 + t, mask=t < n_trees, other=2147483647)
-    tree = tl.sum((ends[None, :] <= m[:, None]).to(tl.int32), axis=1)
-    tree = tl.minimum(tree, n_trees - 1)
+    tree = tl.minimum(tl.sum((ends[None, :] <= m[:, None]).to(tl.int32), axis=1), n_trees - 1)
     start = tl.load(cu_ptr + tree)
-    slot = tl.load(slot_ptr + tree).to(tl.int64)
     n_committed = tl.load(lens_ptr + tree)
-    st = state_ptr + slot[None, :] * s_ss + c.to(tl.int64)[:, None] * s_sd  # (BN, BM)
+    ring = state_ptr + tl.load(slot_ptr + tree).to(tl.int64)[None, :] * s_ss + c.to(tl.int64)[:, None] * s_sd
 
-    acc = v * tl.load(cw_ptr + c * s_cwd + (W - 1), mask=c_ok, other=0.0).to(tl.float32)[:, None]
     cur = tl.where(m_ok, m - start, -1)  # local node on the walk, -1 once past the root
     beyond = tl.zeros((BM,), dtype=tl.int32)  # steps taken past the root
-    for s in tl.static_range(1, W):  # the s-th ancestor multiplies weight column W-1-s
-        on_path = cur >= 0
-        cur = tl.where(on_path, tl.load(parents_ptr + start + tl.maximum(cur, 0), mask=on_path & m_ok, other=-1),
-                       cur)
-        on_path = cur >= 0
-        beyond += tl.where(on_path, 0, 1)
-        row = tl.where(on_path, start + cur, 0)
-        from_tile = tl.gather(v, tl.broadcast_to(row[None, :], (BN, BM)), axis=1)
-        col = (n_committed - beyond) % W
-        col = tl.where(col < 0, col + W, col)
-        from_state = tl.load(st + col[None, :], mask=c_ok[:, None] & (m_ok & ~on_path)[None, :],
-                             other=0.0).to(tl.float32)
-        tap = tl.where(on_path[None, :], from_tile, from_state)
-        acc += tap * tl.load(cw_ptr + c * s_cwd + (W - 1 - s), mask=c_ok, other=0.0).to(tl.float32)[:, None]
+    rows = ()
+    values = ()
+    for s in tl.static_range(1, 4):  # the s-th ancestor
+        if s < W:
+            on_path = cur >= 0
+            cur = tl.where(on_path, tl.load(parents_ptr + start + tl.maximum(cur, 0), mask=on_path & m_ok, other=-1),
+                           cur)
+            on_path = cur >= 0
+            beyond += tl.where(on_path, 0, 1)
+            col = (n_committed - beyond) % W
+            col = tl.where(col < 0, col + W, col)  # position n - beyond, before the first token too
+            rows = rows + (tl.where(on_path, start + cur, -1),)
+            values = values + (tl.load(ring + col[None, :], mask=c_ok[:, None] & (m_ok & ~on_path)[None, :],
+                                       other=0.0).to(tl.float32),)
+    weights = ()
+    for s in tl.static_range(W):
+        weights = weights + (tl.load(cw_ptr + c * s_cwd + (W - 1 - s), mask=c_ok, other=0.0).to(tl.float32),)
+    bias = tl.zeros_like(weights[0])
     if HAS_CONV_BIAS:
-        acc += tl.load(cb_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[:, None]
-    out = acc / (1.0 + tl.exp(-acc))
-    tl.store(conv_ptr + m[None, :] * s_cm + c[:, None], out.to(conv_ptr.dtype.element_ty),
-             mask=c_ok[:, None] & m_ok[None, :])
+        bias = tl.load(cb_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+    return rows, values, weights, bias
+
+
+@triton.jit
+def _conv(v, taps, W: tl.constexpr):
+    """silu(sum_s weights[s] * tap_s + bias) -> (BN, BM) fp32; v (BN, BM) the projection's rounded
+    outputs (tap 0, and where the other taps' rows come from), taps from `_conv_taps`."""
+    BN: tl.constexpr = v.shape[0]
+    BM: tl.constexpr = v.shape[1]
+    rows, values, weights, bias = taps
+    acc = v * weights[0][:, None]
+    for s in tl.static_range(1, W):
+        row = rows[s - 1]
+        from_tile = tl.gather(v, tl.broadcast_to(tl.maximum(row, 0)[None, :], (BN, BM)), axis=1)
+        acc += tl.where((row >= 0)[None, :], from_tile, values[s - 1]) * weights[s][:, None]
+    acc += bias[:, None]
+    return acc / (1.0 + tl.exp(-acc))
 
 
 # Rows one launch takes: a 16- or 32-row tile of the dot path. A 64-row tile's epilogue outgrows the

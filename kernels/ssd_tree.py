@@ -194,12 +194,22 @@ def _tree_ssd_kernel(
     DEFER_NORM (and z), y is rounded to x's dtype, gated, and stored as w * gated in y's dtype, with
     each row's sum of gated squares at column h * N_PT + pt of part_ptr."""
     release_next(PDL)
-    wait_for_previous(PDL)  # every input below may come from the kernel before
     pid0 = tl.program_id(0)
     tree = pid0 // ROW_TILES
     rt = pid0 % ROW_TILES
     h = tl.program_id(1)
     pt = tl.program_id(2)
+    offs_p = pt * BP + tl.arange(0, BP)
+    p_ok = offs_p < P
+    offs_n = tl.arange(0, BN)
+    if ROW_TILES == 1 and BN >= N:
+        # A one-tile tree reads its committed state in one piece. Nothing in a verify step writes the
+        # state pool (commits come after), so under PDL the read, the bulk of the scan's bytes at
+        # small trees, runs while the kernel before finishes, as the fused decode step's does.
+        h0_whole = tl.load(state_ptr + tl.load(slot_ptr + tree).to(tl.int64) * ss_s + h * ss_h
+                           + offs_p[:, None] * ss_p + offs_n[None, :] * ss_n,
+                           mask=p_ok[:, None] & (offs_n < N)[None, :], other=0.0)
+    wait_for_previous(PDL)  # every input below but the state may come from the kernel before
     start = tl.load(cu_ptr + tree)
     n = tl.load(cu_ptr + tree + 1) - start
     row0 = rt * BI
@@ -213,9 +223,6 @@ def _tree_ssd_kernel(
     offs_i = row0 + tl.arange(0, BI)
     row_ok = offs_i < n
     tok_i = start + offs_i  # int32 offsets: packed activations stay far below 2**31 elements
-    offs_p = pt * BP + tl.arange(0, BP)
-    p_ok = offs_p < P
-    offs_n = tl.arange(0, BN)
 
     # Every input of the diagonal block is loaded before any arithmetic, so that the loads can
     # overlap: at small batches the kernel's time is its chain of dependent memory round trips, not
@@ -246,8 +253,11 @@ def _tree_ssd_kernel(
         b = tl.load(B_ptr + tok_i[:, None] * sb_t + g * sb_g + nn[None, :] * sb_n,
                     mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
         if ROW_TILES == 1:
-            h0 = tl.load(st + offs_p[:, None] * ss_p + nn[None, :] * ss_n,
-                         mask=p_ok[:, None] & n_ok[None, :], other=0.0)
+            if BN >= N:
+                h0 = h0_whole
+            else:
+                h0 = tl.load(st + offs_p[:, None] * ss_p + nn[None, :] * ss_n,
+                             mask=p_ok[:, None] & n_ok[None, :], other=0.0)
             ch += tl.dot(c, tl.trans(h0), input_precision=PREC)
         cb_diag += tl.dot(c, tl.trans(b), input_precision=PREC)
     dt_i = _activated(dt_raw, dt_ok, bias, dt_lo, dt_hi)

@@ -9,8 +9,9 @@ weights) before they wait (`wait_for_previous`).
 
 Every kernel launched with PDL (`**launch_options(device)`: `launch_pdl=True`, constexpr `PDL=True`)
 keeps two rules:
-- before `wait_for_previous` it reads only what no kernel of the step writes (weights) and writes
-  nothing;
+- before `wait_for_previous` it reads only what no kernel of the step writes (weights; in a verify
+  also the committed states and the tree tables, which only a later commit or the next step's
+  inputs change) and writes nothing;
 - it calls `release_next`, best at its start.
 `wait_for_previous` returns once the previous kernel has completed and its writes are visible.
 That kernel waited for its own predecessor before it wrote anything, so everything earlier on the

@@ -119,6 +119,20 @@ def dot_launch(M: int, N: int, K: int, elem_bytes: int, **override) -> dict:
                 splits=triton.cdiv(k_tiles, per), k_tiles_per_program=per)
 
 
+def dot_grid(M: int, N: int, K: int, y: torch.Tensor, **override) -> tuple[dict, tuple[int, int], tuple]:
+    """A dot-path launch of M rows of a (N, K) weight into y (M, N): (`dot_launch`'s plan, grid
+    (column tiles, splits), (partial sums, arrival counters)). A split launch takes them from the
+    device's `SplitWorkspace`; a capture that finds it too small runs unsplit, one program per
+    column tile over the whole reduction (the plan says so, and the scratch is y, never read)."""
+    plan = dot_launch(M, N, K, y.element_size(), **override)
+    tiles_n, splits = triton.cdiv(N, plan["BN"]), plan["splits"]
+    scratch = SplitWorkspace.get(y.device, splits * plan["BM"] * N, tiles_n) if splits > 1 else None
+    if scratch is None:
+        splits, plan["k_tiles_per_program"] = 1, triton.cdiv(K, plan["BK"])
+        scratch = (y, y)
+    return plan, (tiles_n, splits), scratch
+
+
 @triton.jit
 def _one_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_wn, BN: tl.constexpr, BK: tl.constexpr,
                     HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
@@ -264,16 +278,11 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             HAS_BIAS=bias is not None, **pdl.launch_options(x.device), num_warps=tile.get("warps") or ROW_WARPS,
         )
         return y
-    plan = dot_launch(M, N, K, x.element_size(), **tile)
-    tiles_n, splits = triton.cdiv(N, plan["BN"]), plan["splits"]
-    scratch = SplitWorkspace.get(x.device, splits * plan["BM"] * N, tiles_n) if splits > 1 else None
-    if scratch is None:  # unsplit: one program per column tile over the whole reduction
-        splits, plan["k_tiles_per_program"] = 1, triton.cdiv(K, plan["BK"])
-        scratch = (y, y)  # not read
-    _rows_dot_kernel[(tiles_n, splits)](
+    plan, grid, scratch = dot_grid(M, N, K, y, **tile)
+    _rows_dot_kernel[grid](
         x, weight, b, y, scratch[0], scratch[1], M, N, K, plan["k_tiles_per_program"], x.stride(0),
         weight.stride(0), y.stride(0), BM=plan["BM"], BN=plan["BN"], BK=plan["BK"],
-        STAGES=plan["num_stages"], SPLIT_K=splits > 1, HAS_BIAS=bias is not None,
+        STAGES=plan["num_stages"], SPLIT_K=grid[1] > 1, HAS_BIAS=bias is not None,
         PREC=dot_precision(x.dtype), **pdl.launch_options(x.device), num_warps=plan["num_warps"],
     )
     return y

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.conv_tree import check_ring, tree_conv1d_ref
-from kernels.few_rows_linear import SplitWorkspace, add_up_splits, dot_launch, dot_rows, few_rows_linear_ref
+from kernels.few_rows_linear import add_up_splits, dot_grid, dot_rows, few_rows_linear_ref
 from kernels.pdl import release_next
 from kernels.ssm_common import as_int32, dot_precision, last_axis_contiguous
 
@@ -181,21 +181,16 @@ def project_tree_conv(h, weight, bias, conv_lo, conv_weight, conv_bias, conv_sta
     h = last_axis_contiguous(h)
     weight = last_axis_contiguous(weight)
     conv_weight = last_axis_contiguous(conv_weight)
-    plan = dot_launch(T, N, K, h.element_size())
-    tiles_n, splits = triton.cdiv(N, plan["BN"]), plan["splits"]
-    scratch = SplitWorkspace.get(h.device, splits * plan["BM"] * N, tiles_n) if splits > 1 else None
-    if scratch is None:
-        splits, plan["k_tiles_per_program"] = 1, triton.cdiv(K, plan["BK"])
-        scratch = (y, y)  # not read
+    plan, grid, scratch = dot_grid(T, N, K, y)
     n_trees = cu_seqlens.numel() - 1
-    _project_tree_conv_kernel[(tiles_n, splits)](
+    _project_tree_conv_kernel[grid](
         h, weight, bias if bias is not None else weight, y, scratch[0], scratch[1],
         conv_weight, conv_bias if conv_bias is not None else conv_weight, conv_state, as_int32(parents),
         as_int32(cu_seqlens), as_int32(slot_idx), as_int32(cache_lens), conv_out, stash,
         T, N, K, plan["k_tiles_per_program"], conv_lo, D, n_trees,
         h.stride(0), weight.stride(0), y.stride(0), conv_weight.stride(0), conv_state.stride(0), conv_state.stride(1),
         conv_out.stride(0), stash.stride(0),
-        BM=plan["BM"], BN=plan["BN"], BK=plan["BK"], STAGES=plan["num_stages"], SPLIT_K=splits > 1,
+        BM=plan["BM"], BN=plan["BN"], BK=plan["BK"], STAGES=plan["num_stages"], SPLIT_K=grid[1] > 1,
         HAS_BIAS=bias is not None, HAS_CONV_BIAS=conv_bias is not None, W=W,
         TREES=triton.next_power_of_2(max(n_trees, 1)), PREC=dot_precision(h.dtype),
         **pdl.launch_options(h.device), num_warps=plan["num_warps"],

@@ -198,32 +198,31 @@ def _tree_conv1d_kernel(
     if W > 3:
         col2 = tl.load(st + (n_committed + 3) % W, mask=d_ok, other=0.0).to(tl.float32)
 
-    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    # tap 0, the node itself, reads every input column (DX > D only with a stash); columns past D
+    # meet zero weights
+    own = tl.load(x_ptr + rows[:, None] * stride_xt + d[None, :], mask=row_ok[:, None] & (d < DX)[None, :],
+                  other=0.0)
+    if STASH:
+        tl.store(raw_ptr + rows[:, None] * stride_rt + d[None, :], own.to(raw_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (d < DX)[None, :])
+    own = own.to(tl.float32)
+    acc = own * tl.load(w_ptr + d * stride_wd + (W - 1), mask=d_ok, other=0.0).to(tl.float32)[None, :]
     cur = tl.where(row_ok, local, -1)  # walk position: local node, -1 once past the root
     beyond = tl.zeros((BLOCK_T,), dtype=tl.int32)  # steps taken past the root
-    for s in tl.static_range(W):  # s-th ancestor multiplies weight column W-1-s
+    for s in tl.static_range(1, W):  # the s-th ancestor multiplies weight column W-1-s
+        parent = tl.load(parents_ptr + start + tl.maximum(cur, 0), mask=cur >= 0, other=-1)
+        cur = tl.where(cur >= 0, parent, cur)
         on_path = cur >= 0
         beyond += tl.where(on_path, 0, 1)
         src = (start + tl.maximum(cur, 0)).to(tl.int64)
-        # tap 0 reads every input column (DX > D only with a stash); columns past D meet zero weights
-        cols_ok = (d < DX) if s == 0 else d_ok
-        val = tl.load(
-            x_ptr + src[:, None] * stride_xt + d[None, :], mask=on_path[:, None] & cols_ok[None, :], other=0.0
-        ).to(tl.float32)
-        if STASH and s == 0:
-            tl.store(raw_ptr + rows[:, None] * stride_rt + d[None, :], val.to(raw_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & cols_ok[None, :])
-        if s > 0:  # the node itself is always on its path
-            col = W - 1 - beyond  # window column, oldest first; in [0, W-2] whenever it is read
-            from_state = (row_ok & (cur < 0))[:, None]
-            state_val = tl.where((col == 0)[:, None], col0[None, :],
-                                 tl.where((col == 1)[:, None], col1[None, :], col2[None, :]))
-            val = tl.where(from_state, state_val, val)
-        w = tl.load(w_ptr + d * stride_wd + (W - 1 - s), mask=d_ok, other=0.0).to(tl.float32)
-        acc += val * w[None, :]
-        if s < W - 1:
-            parent = tl.load(parents_ptr + start + tl.maximum(cur, 0), mask=on_path, other=-1)
-            cur = tl.where(on_path, parent, cur)
+        val = tl.load(x_ptr + src[:, None] * stride_xt + d[None, :], mask=on_path[:, None] & d_ok[None, :],
+                      other=0.0).to(tl.float32)
+        col = W - 1 - beyond  # window column, oldest first; in [0, W-2] whenever it is read
+        from_state = (row_ok & (cur < 0))[:, None]
+        state_val = tl.where((col == 0)[:, None], col0[None, :],
+                             tl.where((col == 1)[:, None], col1[None, :], col2[None, :]))
+        val = tl.where(from_state, state_val, val)
+        acc += val * tl.load(w_ptr + d * stride_wd + (W - 1 - s), mask=d_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     y = acc / (1.0 + tl.exp(-acc))
@@ -231,10 +230,20 @@ def _tree_conv1d_kernel(
              mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _conv_blocks(D: int, rows: int = 16) -> int:
-    """Channels per program for `rows` rows: about 2048 elements (16 x 128 keeps the per-element
-    gathers near 140 registers on sm_90), so small trees get wide channel blocks instead of idle rows."""
-    return min(triton.next_power_of_2(max(D, 16)), max(128, min(1024, 2048 // rows)))
+# The conv's launch: at most 8 nodes per program, about 1024 elements, 2 warps. In an H100 sweep
+# (`python -m bench.batch_kernels --kernels conv --sweep`, 16-node trees, BENCHMARKS.md fourteenth
+# round), 8 x 128 with 2 warps took 0.74x the time of the former 16 x 128 with 4 at 16 and 64
+# sequences, at both layer shapes, and 0.95-0.96x for one tree: more, smaller programs keep more of
+# the taps' row gathers in flight.
+CONV_NODE_TILE = 8
+CONV_TILE_ELEMENTS = 1024
+CONV_WARPS = 2
+
+
+def _conv_blocks(D: int, rows: int) -> int:
+    """Channels per program for `rows` rows: CONV_TILE_ELEMENTS in all, at least 128 and at most 1024
+    channels, so small trees get wide channel blocks instead of idle rows."""
+    return min(triton.next_power_of_2(max(D, 16)), max(128, min(1024, CONV_TILE_ELEMENTS // rows)))
 
 
 def tree_conv1d(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, cache_lens, max_nodes, *,
@@ -266,7 +275,7 @@ def tree_conv1d(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, ca
     B = cu_seqlens.numel() - 1
     if T == 0 or B == 0:
         return out
-    BLOCK_T = block_t or min(16, triton.next_power_of_2(max(int(max_nodes), 1)))
+    BLOCK_T = block_t or min(CONV_NODE_TILE, triton.next_power_of_2(max(int(max_nodes), 1)))
     BLOCK_D = block_d or _conv_blocks(D, BLOCK_T)
     raw = stash if stash is not None else out
     grid = (triton.cdiv(int(max_nodes), BLOCK_T), B, triton.cdiv(DX, BLOCK_D))
@@ -276,7 +285,7 @@ def tree_conv1d(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, ca
         D, DX,
         xbc.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0), raw.stride(0),
         W=W, HAS_BIAS=bias is not None, STASH=stash is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
-        **pdl.launch_options(xbc.device), num_warps=num_warps or 4,
+        **pdl.launch_options(xbc.device), num_warps=num_warps or CONV_WARPS,
     )
     return out
 
@@ -410,7 +419,7 @@ def conv1d_prefill(xbc, weight, bias, conv_state=None, start: int = 0):
                                                                                     device=xbc.device))
     new_state = torch.empty(D, W, dtype=state_dtype, device=xbc.device)
     BLOCK_L = 16
-    BLOCK_D = _conv_blocks(D)
+    BLOCK_D = _conv_blocks(D, BLOCK_L)
     grid = (triton.cdiv(L, BLOCK_L), triton.cdiv(D, BLOCK_D))
     _conv_prefill_kernel[grid](
         xbc, weight, bias if bias is not None else weight, conv_state if conv_state is not None else weight,

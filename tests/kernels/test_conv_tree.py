@@ -250,7 +250,7 @@ def test_compiles_for_sm90():
     from tests.kernels.sm90 import compile_sm90, launch_spec, record_launches
 
     specs = []
-    for trees in (MIXED, [(1, "single")] * 3):  # 16-row tiles; one-row tiles with wide channel blocks
+    for trees in (MIXED, [(1, "single")] * 3):  # 8-row tiles; one-row tiles with wide channel blocks
         parents, cu, max_nodes, lists, slots, lens, xbc, weight, bias, state = _batch(trees, 300, 4, torch.bfloat16, 6)
         with record_launches(ct._tree_conv1d_kernel) as a:
             ct.tree_conv1d(xbc, weight, bias, state, parents, cu, slots, lens, max_nodes)

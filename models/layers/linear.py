@@ -1,11 +1,13 @@
-"""Projections. Where our weight-streaming kernel reads the weight faster than cuBLAS on CUDA
-(kernels/few_rows_linear.py, measured in BENCHMARKS.md), the projection runs it; everything else is
+"""Projections. Where our weight-streaming kernel (kernels/few_rows_linear.py) makes a step on CUDA
+faster than cuBLAS does (measured in BENCHMARKS.md), the projection runs it; everything else is
 F.linear:
 - a single row (a decode step of one sequence, a one-node tree), any layer;
-- 2..DOT_ROWS rows (a small tree, a small decode batch) of a layer at most DOT_MAX_OUT wide. There
-  cuBLAS splits K and adds a reduction launch; our split-K kernel reduces in its last program.
-  Wider layers (in_proj, the MLP's gate_up) have enough output columns for cuBLAS to stream W
-  without a split, and it is faster on them, or as fast.
+- 2..DOT_ROWS rows (a small tree, a small decode batch), any layer. On layers at most 4096 wide
+  cuBLAS splits K and adds a reduction launch, where our split-K kernel reduces in its last program.
+  On wider ones (the MLP's gate_up, qkv, the LM head) the two stream the weight about as fast, and
+  ours keeps the step's chain of launches under programmatic dependent launch. With these on our
+  kernel too, the 8B hybrid's 16-node verify took 0.09-0.25 ms less on an H100 (four pairs, two
+  leases), and the 2.7B's moved by -0.16 to +0.01 ms (BENCHMARKS.md fourteenth round).
 A Mamba2 verify of 2..32 nodes does not come here for its in_proj: it runs the dot path with the
 tree conv in its epilogue (kernels/proj_conv.py)."""
 from __future__ import annotations
@@ -17,17 +19,16 @@ from torch import nn
 from kernels import ops
 
 DOT_ROWS = 16
-DOT_MAX_OUT = 4096
 
 
-def runs_kernel(rows: int, out_features: int) -> bool:
-    """Whether a (rows, ·) x (out_features, ·)ᵀ projection on CUDA goes to our kernel."""
-    return rows == 1 or (rows <= DOT_ROWS and out_features <= DOT_MAX_OUT)
+def runs_kernel(rows: int) -> bool:
+    """Whether a projection of `rows` rows on CUDA goes to our kernel."""
+    return 1 <= rows <= DOT_ROWS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (T, in) -> (T, out) = x weight^T (+ bias), weight (out, in)."""
-    if x.is_cuda and x.dim() == 2 and x.dtype == weight.dtype and runs_kernel(x.shape[0], weight.shape[0]):
+    if x.is_cuda and x.dim() == 2 and x.dtype == weight.dtype and runs_kernel(x.shape[0]):
         return ops.few_rows_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

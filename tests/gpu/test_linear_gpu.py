@@ -71,16 +71,16 @@ def test_split_reduction_in_a_cuda_graph(monkeypatch, fresh_workspace):
 
 @gpu
 def test_model_linear_uses_it_where_it_is_faster(monkeypatch):
-    """One row of any layer; up to DOT_ROWS rows of a layer at most DOT_MAX_OUT wide."""
+    """1..DOT_ROWS rows of any layer, narrow or wide; more rows go to F.linear."""
     calls = []
     real = linear_mod.ops.few_rows_linear
     monkeypatch.setattr(linear_mod.ops, "few_rows_linear", lambda *a: calls.append(tuple(a[0].shape[:1]) + tuple(a[1].shape[:1])) or real(*a))
-    narrow, wide = linear_mod.DOT_MAX_OUT, linear_mod.DOT_MAX_OUT + 1
-    for rows, out in ((1, wide), (2, narrow), (linear_mod.DOT_ROWS, narrow), (linear_mod.DOT_ROWS + 1, narrow),
-                      (2, wide)):
+    narrow, wide = 4096, 50288
+    for rows, out in ((1, wide), (2, narrow), (2, wide), (linear_mod.DOT_ROWS, wide), (linear_mod.DOT_ROWS + 1, narrow),
+                      (linear_mod.DOT_ROWS + 1, wide)):
         y = linear_mod.linear(torch.randn(rows, 32, device=DEV), torch.randn(out, 32, device=DEV))
         assert y.shape == (rows, out)
-    assert calls == [(1, wide), (2, narrow), (linear_mod.DOT_ROWS, narrow)]
+    assert calls == [(1, wide), (2, narrow), (2, wide), (linear_mod.DOT_ROWS, wide)]
 
 
 @gpu

@@ -172,12 +172,11 @@ def _rows_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, 
     m, m_ok, n, n_ok, acc = dot_rows(x_ptr, w_ptr, M, N, K, k_tiles_per_program, s_xm, s_wn, BM, BN, BK, STAGES,
                                      PREC, PDL)
     y_ok = n_ok[:, None] & m_ok[None, :]
+    whole = True
     if SPLIT_K:
-        acc, last = add_up_splits(acc, part_ptr, arrive_ptr, m, n, y_ok, N)
-        if last:
-            _store_y(acc, y_ptr + m[None, :] * s_ym + n[:, None], y_ok, b_ptr, n, n_ok, HAS_BIAS)
-    else:
-        _store_y(acc, y_ptr + m[None, :] * s_ym + n[:, None], y_ok, b_ptr, n, n_ok, HAS_BIAS)
+        acc, whole = add_up_splits(acc, part_ptr, arrive_ptr, m, n, y_ok, N)
+    if whole:
+        store_y(acc, y_ptr + m[None, :] * s_ym + n[:, None], y_ok, b_ptr, n, n_ok, HAS_BIAS)
 
 
 @triton.jit
@@ -237,11 +236,14 @@ def add_up_splits(acc, part_ptr, arrive_ptr, m, n, y_ok, N):
 
 
 @triton.jit
-def _store_y(acc, y_at, y_ok, b_ptr, n, n_ok, HAS_BIAS: tl.constexpr):
-    """acc (BN, BM) (+ bias along the output columns n), rounded once, to y."""
+def store_y(acc, y_at, y_ok, b_ptr, n, n_ok, HAS_BIAS: tl.constexpr):
+    """acc (BN, BM) (+ bias along the output columns n), rounded once, to y -> the stored (BN, BM)
+    values in y's dtype."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(y_at, acc.to(y_at.dtype.element_ty), mask=y_ok)
+    y = acc.to(y_at.dtype.element_ty)
+    tl.store(y_at, y, mask=y_ok)
+    return y
 
 
 def one_row_tile(N: int) -> tuple[int, int]:

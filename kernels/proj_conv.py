@@ -26,7 +26,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.conv_tree import check_ring, tree_conv1d_ref
-from kernels.few_rows_linear import add_up_splits, dot_grid, dot_rows, few_rows_linear_ref
+from kernels.few_rows_linear import add_up_splits, dot_grid, dot_rows, few_rows_linear_ref, store_y
 from kernels.pdl import release_next
 from kernels.ssm_common import as_int32, dot_precision, last_axis_contiguous
 
@@ -73,10 +73,7 @@ def _project_tree_conv_kernel(
     if SPLIT_K:
         acc, whole = add_up_splits(acc, part_ptr, arrive_ptr, m, n, y_ok, N)
     if whole:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        y = acc.to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + m[None, :] * s_ym + n[:, None], y, mask=y_ok)
+        y = store_y(acc, y_ptr + m[None, :] * s_ym + n[:, None], y_ok, b_ptr, n, n_ok, HAS_BIAS)
         first = tl.program_id(0) * BN
         if first + BN > conv_lo:  # this tile holds stashed columns
             tl.store(raw_ptr + m[None, :] * s_rm + c[:, None], y, mask=y_ok & (c >= 0)[:, None])

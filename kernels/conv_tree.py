@@ -158,6 +158,12 @@ def conv1d_prefill_ref(xbc, weight, bias, conv_state=None, start: int = 0):
 
 
 @triton.jit
+def _weight_column(w_ptr, stride_wd, d, d_ok, k: tl.constexpr):
+    """(BLOCK_D,) fp32 column k of the (D, W) conv weight at channels d."""
+    return tl.load(w_ptr + d * stride_wd + k, mask=d_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _tree_conv1d_kernel(
     x_ptr, w_ptr, bias_ptr, state_ptr, parents_ptr, cu_ptr, slot_ptr, lens_ptr, out_ptr, raw_ptr,
     D, DX,
@@ -183,6 +189,15 @@ def _tree_conv1d_kernel(
     d_ok = d < D
     rows = (start + local).to(tl.int64)
 
+    # Loads that do not wait on the walk go first: the node's own row, then the committed window and
+    # the weights, and the stash store (which waits for the row) after them. Each channel vector
+    # reaches the tile's layout through shared memory behind a barrier, and no load after a barrier
+    # issues before it clears: with the row read last, a program paid each round trip in turn
+    # (0.93x the time at 64 sequences in this order: BENCHMARKS.md fifteenth round).
+    # Tap 0, the node itself, reads every input column (DX > D only with a stash); columns past D
+    # meet zero weights.
+    own = tl.load(x_ptr + rows[:, None] * stride_xt + d[None, :], mask=row_ok[:, None] & (d < DX)[None, :],
+                  other=0.0)
     # The committed window's W-1 columns (col0 oldest: position n-(W-1) + j is ring column
     # (n + 1 + j) mod W), each read once as a channel vector; a node whose window reaches past the
     # root picks its column per tap by select. (Per-element gathers of the column-strided state cost
@@ -197,19 +212,24 @@ def _tree_conv1d_kernel(
         col1 = tl.load(st + (n_committed + 2) % W, mask=d_ok, other=0.0).to(tl.float32)
     if W > 3:
         col2 = tl.load(st + (n_committed + 3) % W, mask=d_ok, other=0.0).to(tl.float32)
-
-    # tap 0, the node itself, reads every input column (DX > D only with a stash); columns past D
-    # meet zero weights
-    own = tl.load(x_ptr + rows[:, None] * stride_xt + d[None, :], mask=row_ok[:, None] & (d < DX)[None, :],
-                  other=0.0)
+    # tap s (s = 0 the node, s = k its k-th ancestor) multiplies weight column W-1-s
+    tap0 = _weight_column(w_ptr, stride_wd, d, d_ok, W - 1)
+    tap1 = tap0
+    tap2 = tap0
+    tap3 = tap0
+    if W > 1:
+        tap1 = _weight_column(w_ptr, stride_wd, d, d_ok, W - 2)
+    if W > 2:
+        tap2 = _weight_column(w_ptr, stride_wd, d, d_ok, W - 3)
+    if W > 3:
+        tap3 = _weight_column(w_ptr, stride_wd, d, d_ok, W - 4)
     if STASH:
         tl.store(raw_ptr + rows[:, None] * stride_rt + d[None, :], own.to(raw_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & (d < DX)[None, :])
-    own = own.to(tl.float32)
-    acc = own * tl.load(w_ptr + d * stride_wd + (W - 1), mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    acc = own.to(tl.float32) * tap0[None, :]
     cur = tl.where(row_ok, local, -1)  # walk position: local node, -1 once past the root
     beyond = tl.zeros((BLOCK_T,), dtype=tl.int32)  # steps taken past the root
-    for s in tl.static_range(1, W):  # the s-th ancestor multiplies weight column W-1-s
+    for s in tl.static_range(1, W):  # the s-th ancestor
         parent = tl.load(parents_ptr + start + tl.maximum(cur, 0), mask=cur >= 0, other=-1)
         cur = tl.where(cur >= 0, parent, cur)
         on_path = cur >= 0
@@ -222,7 +242,7 @@ def _tree_conv1d_kernel(
         state_val = tl.where((col == 0)[:, None], col0[None, :],
                              tl.where((col == 1)[:, None], col1[None, :], col2[None, :]))
         val = tl.where(from_state, state_val, val)
-        acc += val * tl.load(w_ptr + d * stride_wd + (W - 1 - s), mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        acc += val * (tap1 if s == 1 else (tap2 if s == 2 else tap3))[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     y = acc / (1.0 + tl.exp(-acc))

@@ -164,11 +164,18 @@ def _weight_column(w_ptr, stride_wd, d, d_ok, k: tl.constexpr):
 
 
 @triton.jit
+def _word_part(words, k, dtype: tl.constexpr):
+    """(BLOCK_D,) fp32: 16-bit value k (0 the lowest; a scalar 0..3) of each 64-bit word, as `dtype`."""
+    return ((words >> (16 * k)) & 0xFFFF).to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _tree_conv1d_kernel(
     x_ptr, w_ptr, bias_ptr, state_ptr, parents_ptr, cu_ptr, slot_ptr, lens_ptr, out_ptr, raw_ptr,
     D, DX,
     stride_xt, stride_wd, stride_ss, stride_sd, stride_ot, stride_rt,
-    W: tl.constexpr, HAS_BIAS: tl.constexpr, STASH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    W: tl.constexpr, PACKED: tl.constexpr, HAS_BIAS: tl.constexpr, STASH: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Programs (node tile, tree, channel block). With STASH, the channel blocks span all DX input
@@ -199,30 +206,43 @@ def _tree_conv1d_kernel(
     own = tl.load(x_ptr + rows[:, None] * stride_xt + d[None, :], mask=row_ok[:, None] & (d < DX)[None, :],
                   other=0.0)
     # The committed window's W-1 columns (col0 oldest: position n-(W-1) + j is ring column
-    # (n + 1 + j) mod W), each read once as a channel vector; a node whose window reaches past the
-    # root picks its column per tap by select. (Per-element gathers of the column-strided state cost
-    # a load per element and tap, even for the nodes that need none.)
-    st = state_ptr + slot * stride_ss + d * stride_sd
-    col0 = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    col1 = col0
-    col2 = col0
-    if W > 1:
-        col0 = tl.load(st + (n_committed + 1) % W, mask=d_ok, other=0.0).to(tl.float32)
-    if W > 2:
-        col1 = tl.load(st + (n_committed + 2) % W, mask=d_ok, other=0.0).to(tl.float32)
-    if W > 3:
-        col2 = tl.load(st + (n_committed + 3) % W, mask=d_ok, other=0.0).to(tl.float32)
-    # tap s (s = 0 the node, s = k its k-th ancestor) multiplies weight column W-1-s
-    tap0 = _weight_column(w_ptr, stride_wd, d, d_ok, W - 1)
-    tap1 = tap0
-    tap2 = tap0
-    tap3 = tap0
-    if W > 1:
-        tap1 = _weight_column(w_ptr, stride_wd, d, d_ok, W - 2)
-    if W > 2:
-        tap2 = _weight_column(w_ptr, stride_wd, d, d_ok, W - 3)
-    if W > 3:
-        tap3 = _weight_column(w_ptr, stride_wd, d, d_ok, W - 4)
+    # (n + 1 + j) mod W), each a channel vector; a node whose window reaches past the root picks its
+    # column per tap by select. (Per-element gathers of the column-strided state cost a load per
+    # element and tap, even for the nodes that need none.) Tap s (s = 0 the node, s = k its k-th
+    # ancestor) multiplies weight column W-1-s.
+    if PACKED:
+        # W = 4 and 2-byte values, the served case: a channel's ring, and its four weights, are one
+        # 64-bit word each, so two loads (and two layout conversions) replace seven
+        ring = tl.load((state_ptr + slot * stride_ss).to(tl.pointer_type(tl.int64)) + d, mask=d_ok, other=0)
+        taps = tl.load(w_ptr.to(tl.pointer_type(tl.int64)) + d, mask=d_ok, other=0)
+        col0 = _word_part(ring, (n_committed + 1) % W, state_ptr.dtype.element_ty)
+        col1 = _word_part(ring, (n_committed + 2) % W, state_ptr.dtype.element_ty)
+        col2 = _word_part(ring, (n_committed + 3) % W, state_ptr.dtype.element_ty)
+        tap0 = _word_part(taps, 3, w_ptr.dtype.element_ty)
+        tap1 = _word_part(taps, 2, w_ptr.dtype.element_ty)
+        tap2 = _word_part(taps, 1, w_ptr.dtype.element_ty)
+        tap3 = _word_part(taps, 0, w_ptr.dtype.element_ty)
+    else:
+        st = state_ptr + slot * stride_ss + d * stride_sd
+        col0 = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        col1 = col0
+        col2 = col0
+        if W > 1:
+            col0 = tl.load(st + (n_committed + 1) % W, mask=d_ok, other=0.0).to(tl.float32)
+        if W > 2:
+            col1 = tl.load(st + (n_committed + 2) % W, mask=d_ok, other=0.0).to(tl.float32)
+        if W > 3:
+            col2 = tl.load(st + (n_committed + 3) % W, mask=d_ok, other=0.0).to(tl.float32)
+        tap0 = _weight_column(w_ptr, stride_wd, d, d_ok, W - 1)
+        tap1 = tap0
+        tap2 = tap0
+        tap3 = tap0
+        if W > 1:
+            tap1 = _weight_column(w_ptr, stride_wd, d, d_ok, W - 2)
+        if W > 2:
+            tap2 = _weight_column(w_ptr, stride_wd, d, d_ok, W - 3)
+        if W > 3:
+            tap3 = _weight_column(w_ptr, stride_wd, d, d_ok, W - 4)
     if STASH:
         tl.store(raw_ptr + rows[:, None] * stride_rt + d[None, :], own.to(raw_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & (d < DX)[None, :])
@@ -272,6 +292,8 @@ def tree_conv1d(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, ca
     """Triton twin of `tree_conv1d_ref`: one program per (node tile, tree, channel block).
 
     Each node walks up at most W-1 ancestors through `parents` (one gather per step); no mask is built.
+    A width-4 conv in 2-byte values reads each channel's weights and committed ring as one 64-bit
+    word apiece (`packs_channels`), other shapes one column at a time; the results are the same.
     The stash, when given, is written by the same programs: a verify needs no separate copy launch.
     `block_t` (nodes per program), `block_d` (channels per program) and `num_warps` are tuning knobs
     for benchmarks.
@@ -304,7 +326,8 @@ def tree_conv1d(xbc, weight, bias, conv_state, parents, cu_seqlens, slot_idx, ca
         out, raw,
         D, DX,
         xbc.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1), out.stride(0), raw.stride(0),
-        W=W, HAS_BIAS=bias is not None, STASH=stash is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+        W=W, PACKED=packs_channels(weight, conv_state), HAS_BIAS=bias is not None, STASH=stash is not None,
+        BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
         **pdl.launch_options(xbc.device), num_warps=num_warps or CONV_WARPS,
     )
     return out
@@ -344,6 +367,14 @@ def _conv_commit_kernel(
     col = (n_committed + step) % W
     base = state_ptr + slot * stride_ss + layer * stride_sl + d[:, None] * stride_sd
     tl.store(base + col[None, :], new.to(state_ptr.dtype.element_ty), mask=d_ok[:, None] & taken[None, :])
+
+
+def packs_channels(weight, conv_state) -> bool:
+    """Whether `tree_conv1d` reads each channel's four weights and four ring values as one 64-bit word:
+    a width-4 conv with 2-byte values, (D, 4) rows packed and 8-byte aligned in both tensors."""
+    return (weight.shape[1] == 4 and weight.element_size() == 2 and conv_state.element_size() == 2
+            and weight.stride(0) == 4 and conv_state.stride(-2) == 4 and conv_state.stride(0) % 4 == 0
+            and weight.data_ptr() % 8 == 0 and conv_state.data_ptr() % 8 == 0)
 
 
 def check_ring(conv_state, W: int) -> None:

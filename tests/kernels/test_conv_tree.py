@@ -91,6 +91,23 @@ def test_tree_conv1d_stash(fn, dtype, W, D, E):
     assert wide[:, :3].isnan().all() and wide[:, 3 + D :].isnan().all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tree_conv1d_packed_channel_words(dtype):
+    """A width-4 conv in 2-byte values reads each channel's weights and ring as one 64-bit word: the
+    same output, bit for bit, as the column-at-a-time read it takes when the ring rows are padded."""
+    parents, cu, max_nodes, lists, slots, lens, xbc, weight, bias, state = _batch(MIXED + [(20, "deep")], 300, 4, dtype, 8)
+    padded = torch.full((*state.shape[:2], 5), float("nan"), dtype=dtype)[..., :4]
+    padded.copy_(state)
+    assert ct.packs_channels(weight, state) and not ct.packs_channels(weight, padded)
+    assert not ct.packs_channels(weight[:, :3].contiguous(), state[..., :3].contiguous())
+    assert not ct.packs_channels(weight.float(), state.float())
+    packed = ct.tree_conv1d(xbc, weight, bias, state, parents, cu, slots, lens, max_nodes)
+    columns = ct.tree_conv1d(xbc, weight, bias, padded, parents, cu, slots, lens, max_nodes)
+    assert torch.equal(packed, columns)
+    ref = ct.tree_conv1d_ref(xbc, weight, bias, state, parents, cu, slots, lens, max_nodes)
+    torch.testing.assert_close(packed.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_tree_conv1d_stash_errors():
     parents, cu, max_nodes, _, slots, lens, xbc, weight, bias, state = _batch([(5, "random")], 40, 4, torch.float32, 6)
     T = xbc.shape[0]
@@ -257,6 +274,8 @@ def test_compiles_for_sm90():
             out = torch.empty(xbc.shape[0], 290, dtype=xbc.dtype)[:, :280]  # as a verify calls it
             ct.tree_conv1d(xbc, weight[:280], bias[:280], state[:, :280], parents, cu, slots, lens, max_nodes, out=out,
                            stash=torch.empty_like(xbc))
+            padded = torch.zeros(*state.shape[:2], 5, dtype=state.dtype)[..., :4]  # ring rows not packed
+            ct.tree_conv1d(xbc, weight, bias, padded, parents, cu, slots, lens, max_nodes)
         specs += [launch_spec(ct._tree_conv1d_kernel, *call) for call in a]
     with record_launches(ct._conv_commit_kernel) as b, record_launches(ct._conv_prefill_kernel) as c:
         ct.conv_state_commit(state, slots, xbc, torch.zeros(len(lists), 3, dtype=torch.int64),

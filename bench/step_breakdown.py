@@ -23,6 +23,12 @@ fused decode step (conv + state update + gated norm), the residual add + RMSNorm
 whole attention mixers and, within them, the qkv projection, RoPE, the K/V write into the cache
 (and a verify's stash), the tree attention kernel (decode runs it too, as a one-node tree) and
 o_proj; whole MLP / MoE mixers; and the LM head.
+
+One entry is a what-if rather than a knockout: `few_rows_as_one` charges every projection of
+2..DOT_ROWS rows what a one-row projection costs (the one-row kernel runs on the first row; the
+other rows are left unwritten), with in_proj and the tree conv as two launches, as one row runs
+them. base minus it is what a verify's few-row projections cost over the weight stream of a decode
+step: what a perfect few-row projection kernel could save.
 """
 from __future__ import annotations
 
@@ -36,6 +42,8 @@ from typing import Callable, Iterator
 import torch
 
 import kernels.ops as kernel_ops
+import kernels.proj_conv as proj_conv_kernel
+import models.layers.linear as linear_layer
 import models.layers.mamba as mamba_layer
 import models.runtime as runtime
 from kernels.norms import SumOfSquares
@@ -44,7 +52,7 @@ from models.layers.mamba import MambaMixer
 from models.layers.mlp import MLP, MoE
 
 OPS = ("in_proj", "tree_conv", "proj_conv", "tree_scan", "gated_norm", "out_proj", "decode_step", "add_norm", "attention",
-       "qkv_proj", "rope", "write_kv", "tree_attention", "o_proj", "mlp", "lm_head")
+       "qkv_proj", "rope", "write_kv", "tree_attention", "o_proj", "mlp", "lm_head", "few_rows_as_one")
 
 
 def _blank(shape, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -151,6 +159,24 @@ def knocked_out(lm, op: str) -> Iterator[list[int]]:
             for m in mixers:
                 if isinstance(m, (MLP, MoE)):
                     swap(_swapped(m, "forward", _counted(lambda x: _blank(x.shape, x), calls)))
+        elif op == "few_rows_as_one":
+            every_row = linear_layer.linear
+
+            def first_row_only(x, weight, bias=None):
+                rows = x.shape[0]
+                if x.dim() != 2 or not 2 <= rows <= linear_layer.DOT_ROWS:
+                    return every_row(x, weight, bias)
+                calls[0] += 1
+                y = _blank((rows, weight.shape[0]), x)
+                if x.is_cuda and x.dtype == weight.dtype:  # straight into y: no copy launch to time
+                    kernel_ops.few_rows_linear(x[:1], weight, bias, out=y[:1])
+                else:
+                    y[:1] = every_row(x[:1], weight, bias)
+                return y
+
+            swap(_swapped(linear_layer, "linear", first_row_only))
+            swap(_swapped(runtime, "linear", first_row_only))
+            swap(_swapped(proj_conv_kernel, "fits", lambda rows: False))
         elif op == "lm_head":
             vocab = lm.config.vocab_size
             swap(_swapped(lm, "logits",

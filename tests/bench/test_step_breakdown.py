@@ -39,7 +39,7 @@ _REACHED = {
     "gated_norm": ("mamba2", 1), "out_proj": ("mamba2", 1), "decode_step": ("mamba2", 0),
     "add_norm": ("mamba2", 1), "lm_head": ("mamba2", 1), "attention": ("bamba", 1), "mlp": ("bamba", 1),
     "qkv_proj": ("bamba", 1), "tree_attention": ("bamba", 0), "o_proj": ("bamba", 1), "rope": ("bamba", 1),
-    "write_kv": ("bamba", 0), "proj_conv": ("mamba2", 1),
+    "write_kv": ("bamba", 0), "proj_conv": ("mamba2", 1), "few_rows_as_one": ("bamba", 1),
 }
 # ops only the Triton kernels run (interpreted here)
 _TRITON_ONLY = {"proj_conv"}

@@ -164,7 +164,7 @@ def knocked_out(lm, op: str) -> Iterator[list[int]]:
 
             def first_row_only(x, weight, bias=None):
                 rows = x.shape[0]
-                if x.dim() != 2 or not 2 <= rows <= linear_layer.DOT_ROWS:
+                if x.dim() != 2 or rows == 1 or not linear_layer.runs_kernel(rows):  # the few-row rule's rows only
                     return every_row(x, weight, bias)
                 calls[0] += 1
                 y = _blank((rows, weight.shape[0]), x)

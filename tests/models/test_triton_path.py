@@ -46,3 +46,47 @@ def test_all_modes_on_triton_kernels(saved, monkeypatch, arch):
     lm.commit([(res.pending[b], p) for b, p in enumerate(paths)])
     seqs = [s + t.tokens_along(p) + [7] for s, t, p in zip(seqs, trees, paths)]
     check(lm.decode(slots, [7, 7]), "decode after commit")
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "bamba"])
+def test_commit_fused_into_the_verify_on_triton_kernels(saved, monkeypatch, arch):
+    """The scan kernel applying the previous tree's path in a bucketed verify (GraphRunner's
+    programs, run eagerly): every node's logits against transformers after that path, and decode
+    after a second commit."""
+    from kernels.ssd_tree import COMMIT_STEPS
+    from models.graphs import GraphRunner
+    from tests.models.trees import random_path
+
+    interpret_compat.install()
+    path, model = saved(arch)
+    lm = HybridLM.from_pretrained(path, max_slots=2, max_len=40)
+    lm.graphs = GraphRunner(lm, node_buckets=(8,), capture=False, fuse_commits_from=1)
+    monkeypatch.setenv("TREESERVE_KERNELS", "triton")
+    lm.graphs.capture_all()
+    rng = random.Random(12)
+    seqs = [random_prompt(rng, 9), random_prompt(rng, 5)]
+    slots = [lm.pool.alloc(), lm.pool.alloc()]
+    lm.prefill(slots, seqs)
+    first = [random_tree(rng, 5, 7, "bushy"), random_tree(rng, 6, 5, "chain")]
+    res = lm.verify(slots, first)
+    paths = [random_path(rng, first[0], COMMIT_STEPS), first[1].path_to(3)]  # paths the scan can take
+    seqs = [s + t.tokens_along(p) for s, t, p in zip(seqs, first, paths)]
+    gathered, real = [], lm.graphs.gather_commit
+    lm.graphs.gather_commit = lambda *a: gathered.append(real(*a)) or gathered[-1]
+    second = [random_tree(rng, 7, 6, "random"), random_tree(rng, 8, 8, "deep")]
+    res = lm.verify(slots, second, commits=[(res.pending[b], p) for b, p in enumerate(paths)])
+    assert gathered and gathered[0] is not None, "the commit did not ride in the verify"
+    for b, t in enumerate(second):
+        for leaf in t.leaves():
+            branch = t.path_to(leaf)
+            ref = hf_logits(model, seqs[b] + t.tokens_along(branch))
+            for d, node in enumerate(branch):
+                err = (res.logits[res.offsets[b] + node] - ref[len(seqs[b]) + d]).abs().max().item()
+                assert err < 1e-4, f"verify tree {b} node {node}: {err:.3g}"
+    paths = [t.path_to(t.size - 1) for t in second]
+    lm.commit([(res.pending[b], p) for b, p in enumerate(paths)])
+    seqs = [s + t.tokens_along(p) + [7] for s, t, p in zip(seqs, second, paths)]
+    out = lm.decode(slots, [7, 7])
+    for b in range(2):
+        err = (out[b] - hf_logits(model, seqs[b])[-1]).abs().max().item()
+        assert err < 1e-4, f"decode after commit seq {b}: {err:.3g}"

@@ -8,9 +8,6 @@ groups, which its conv width of 6144 implies):
 - `tree_conv1d`: the verify's tree conv as the model runs it, keeping the raw xBC | dt and
   writing its output into the stash rows of its layer;
 - `tree_ssd_scan`: the verify's tree scan with its gate, ancestor bits passed in;
-- `scan with commit`: the same scan applying a previous tree's accepted path (1-4 nodes, gathered
-  rows) to each state first and storing it, as a verify that carries its commit runs it
-  (`models.graphs.GraphRunner.gather_commit`): it replaces the scan plus the SSM commit;
 - `ssm_state_commit` and `conv_state_commit`: a commit of paths of 1-4 accepted nodes of every
   Mamba2 layer in one launch, reading the stash rows in place as the model's commit does, reported
   per layer;
@@ -33,7 +30,7 @@ import triton
 from bench.ssm_kernels import Report, Timer, layer, randn, start
 from kernels.conv_tree import conv_state_commit, tree_conv1d
 from kernels.ssd_tree import tree_ssd_scan
-from kernels.ssm_commit import AcceptedPaths, ssm_state_commit
+from kernels.ssm_commit import ssm_state_commit
 from kernels.ssm_decode import ssm_chain_update
 from kernels.tree_struct import ancestor_bits
 
@@ -43,7 +40,7 @@ W = 4  # conv width
 NODES = 16  # tree size of the verifier benchmark
 PATH = 4  # commit path bucket: accepted paths of 1..4 nodes
 LIMIT = (0.0, float("inf"))
-KERNELS = ("conv", "scan", "fused", "decode", "commit")
+KERNELS = ("conv", "scan", "decode", "commit")
 DEV = "cuda"
 
 SCAN_SWEEP = [(32, 64, 4, 0), (64, 128, 4, 0), (64, 64, 4, 96), (64, 64, 4, 80), (64, 64, 4, 64), (64, 128, 4, 96),
@@ -109,17 +106,6 @@ def bench_shape(shape: str, batches, timer: Timer, rep: Report, sweep: bool, see
             rep.add(shape, f"scan p{bp} n{bn} w{warps} r{regs or '-'}", nb, NODES, cfg, nbytes,
                     x_default=round(cfg / us, 3))
 
-        # the scan with the SSM commit of the previous tree fused in: paths of 1..PATH gathered rows
-        plen = torch.randint(1, PATH + 1, (nb,), generator=gen, device=DEV, dtype=torch.int32)
-        if "fused" in kernels:
-            paths = AcceptedPaths(torch.arange(nb, dtype=torch.int32, device=DEV) * PATH, plen,
-                                  randn(gen, nb * PATH, H, P), randn(gen, nb * PATH, H), randn(gen, nb * PATH, G, N))
-            accepted = int(plen.sum())
-            fused_bytes = 2 * state + T * (3 * d_inner + H + 2 * G * N) * 2 + accepted * (d_inner + H + G * N) * 2
-            fused = timer(lambda: tree_ssd_scan(**scan_args, ancestors=bits, commit=paths))
-            rep.add(shape, "scan with commit", nb, NODES, fused, fused_bytes,
-                    note=f"paths of 1-{PATH} nodes applied to the states first; replaces scan + ssm_state_commit")
-
         # one-token decode update at the same batch
         if "decode" in kernels:
             dec = dict(ssm_state=randn(gen, nb, H, P, N, dtype=torch.float32), slot_idx=slots,
@@ -132,6 +118,7 @@ def bench_shape(shape: str, batches, timer: Timer, rep: Report, sweep: bool, see
 
         # the commit of every Mamba2 layer in one launch, reading a verify's stash rows in place, as
         # `models.verify.run_commit` calls it
+        plen = torch.randint(1, PATH + 1, (nb,), generator=gen, device=DEV, dtype=torch.int32)
         pool = randn(gen, nb, layers, H, P, N, dtype=torch.float32)
         A_all = -(torch.rand(layers, H, generator=gen, device=DEV) * 3 + 0.5)
         bias_all = torch.randn(layers, H, generator=gen, device=DEV) * 0.5 - 2.0

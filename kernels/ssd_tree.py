@@ -24,7 +24,6 @@ import triton.language as tl
 
 from kernels import pdl, ssm_common
 from kernels.norms import SumOfSquares, gated_rms_norm_deferred_ref
-from kernels.ssm_commit import AcceptedPaths, commit_accepted_paths_ref
 from kernels.pdl import release_next, wait_for_previous
 from kernels.ssm_common import (
     as_int32,
@@ -43,18 +42,14 @@ from kernels.tree_struct import ancestor_bits, ancestor_mask_from_bits, words_pe
 
 
 def tree_ssd_scan_ref(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes, dt_limit,
-                      z=None, ancestors=None, commit: AcceptedPaths | None = None):
+                      z=None, ancestors=None):
     """PyTorch twin of `tree_ssd_scan`.
 
     x (T, H, P), dt (T, H) raw, A (H,) fp32 negative, B/C (T, G, N), D (H,) or None, dt_bias (H,) or None,
     ssm_state (S, H, P, N) fp32, parents (T,) local, cu_seqlens (B+1,), slot_idx (B,), z (T, H, P) or None,
     ancestors (T, W) int32 from `tree_struct.ancestor_bits` or None (then built from parents)
-    -> y (T, H, P) in x.dtype. `commit` (`kernels.ssm_commit.AcceptedPaths`, one path per tree, or
-    None): each tree's state is first advanced along its path, in place, and the scan starts from
-    the result; otherwise `ssm_state` is only read.
+    -> y (T, H, P) in x.dtype.
     """
-    if commit is not None:
-        commit_accepted_paths_ref(ssm_state, slot_idx, commit, A, dt_bias, dt_limit)
     H = x.shape[1]
     n = int(max_nodes)
     sizes = tree_sizes(cu_seqlens)
@@ -88,14 +83,13 @@ def tree_ssd_scan_ref(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens
 
 
 def tree_ssd_scan_deferred_norm_ref(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes,
-                                    dt_limit, z, norm_weight, norm_eps: float, ancestors=None,
-                                    commit: AcceptedPaths | None = None):
+                                    dt_limit, z, norm_weight, norm_eps: float, ancestors=None):
     """PyTorch twin of `tree_ssd_scan_deferred_norm`: the scan without its gate (y rounded to x.dtype,
     as the scan stores it), then `gated_rms_norm_deferred_ref(y, z, norm_weight, norm_eps, z.dtype)`
     over all H * P channels -> (u (T, H * P), SumOfSquares)."""
     T, H, P = x.shape
     y = tree_ssd_scan_ref(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes, dt_limit,
-                          ancestors=ancestors, commit=commit)
+                          ancestors=ancestors)
     return gated_rms_norm_deferred_ref(y.reshape(T, H * P), z.reshape(T, H * P), norm_weight, norm_eps, z.dtype)
 
 
@@ -184,60 +178,21 @@ def _decay(m, dacs_rows, dacs_cols):
     return tl.where(m, tl.exp(tl.minimum(seg, 0.0)), 0.0)
 
 
-# The longest accepted path a commit fused into the scan takes: its steps are unrolled, so their
-# loads go out together (one round trip to memory). A loop over longer paths, even one that ran no
-# iteration, made the scan slower than the scan and the commit kernel apart (H100): longer paths
-# are committed on their own (`models.graphs.GraphRunner.gather_commit`).
-COMMIT_STEPS = 4
-
-
-@triton.jit
-def _committed(h0, ptrs, mask, tree, h, g, offs_p, p_ok, nn, n_ok, A, bias, dt_lo, dt_hi,
-               cstart_ptr, clen_ptr, xc_ptr, dtc_ptr, bc_ptr, sxc_r, sxc_h, sxc_p, sdc_r, sdc_h, sbc_r, sbc_g, sbc_n,
-               STEPS: tl.constexpr):
-    """The state tile h0 (rows offs_p, columns nn of head h) advanced along tree `tree`'s accepted
-    path (at most STEPS nodes) and stored back at `ptrs`, as `kernels.ssm_commit` does it: the
-    steps walked from the last to the first with the same arithmetic, so the decay after each step
-    is a running sum, and steps past the path add exact zeros. A tree with no path (length 0) keeps
-    h0, and nothing is stored."""
-    plen = tl.load(clen_ptr + tree)
-    first = tl.load(cstart_ptr + tree).to(tl.int64)
-    after = A * 0.0
-    acc = tl.zeros_like(h0)
-    for t in tl.static_range(STEPS):
-        k = STEPS - 1 - t
-        live = k < plen
-        row = first + k
-        dt = tl.load(dtc_ptr + row * sdc_r + h * sdc_h, mask=live, other=0.0).to(tl.float32)
-        dt = tl.where(live, softplus_clamped(dt + bias, dt_lo, dt_hi), 0.0)
-        x = tl.load(xc_ptr + row * sxc_r + h * sxc_h + offs_p * sxc_p, mask=p_ok & live, other=0.0).to(tl.float32)
-        Bv = tl.load(bc_ptr + row * sbc_r + g * sbc_g + nn * sbc_n, mask=n_ok & live, other=0.0).to(tl.float32)
-        acc += (tl.exp(after) * dt * x)[:, None] * Bv[None, :]
-        after += dt * A
-    hn = tl.exp(after) * h0 + acc
-    tl.store(ptrs, hn, mask=mask & (plen > 0))
-    return hn
-
-
 @triton.jit
 def _tree_ssd_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, bias_ptr, state_ptr, z_ptr, y_ptr,
     anc_ptr, cu_ptr, slot_ptr, nw_ptr, part_ptr,
-    cstart_ptr, clen_ptr, xc_ptr, dtc_ptr, bc_ptr,
     heads_per_group, dt_lo, dt_hi,
     sx_t, sx_h, sx_p, sdt_t, sdt_h, sb_t, sb_g, sb_n, sc_t, sc_g, sc_n,
     ss_s, ss_h, ss_p, ss_n, sz_t, sz_h, sz_p, sy_t, sy_h, sy_p, sa_t, s_part,
-    sxc_r, sxc_h, sxc_p, sdc_r, sdc_h, sbc_r, sbc_g, sbc_n,
     P: tl.constexpr, N: tl.constexpr,
     ROW_TILES: tl.constexpr, BI: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DEFER_NORM: tl.constexpr, COMMIT: tl.constexpr,
-    STEPS: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DEFER_NORM: tl.constexpr, PREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (tree x row tile, head, headdim tile); rows are this tile's nodes. With
     DEFER_NORM (and z), y is rounded to x's dtype, gated, and stored as w * gated in y's dtype, with
-    each row's sum of gated squares at column h * N_PT + pt of part_ptr. With COMMIT (one-tile trees
-    only: a program owns its state tile), the state tile is first advanced along the tree's accepted
-    path (at most STEPS nodes) and stored back (`_committed`) before the scan uses it."""
+    each row's sum of gated squares at column h * N_PT + pt of part_ptr."""
     release_next(PDL)
     pid0 = tl.program_id(0)
     tree = pid0 // ROW_TILES
@@ -248,22 +203,12 @@ def _tree_ssd_kernel(
     p_ok = offs_p < P
     offs_n = tl.arange(0, BN)
     if ROW_TILES == 1 and BN >= N:
-        # A one-tile tree reads its committed state in one piece. Nothing else in a verify step writes
-        # the state pool (a fused commit, only this program's tile), so under PDL the read, the bulk
-        # of the scan's bytes at small trees, runs while the kernel before finishes, as the fused
-        # decode step's does.
-        whole_ptrs = (state_ptr + tl.load(slot_ptr + tree).to(tl.int64) * ss_s + h * ss_h
-                      + offs_p[:, None] * ss_p + offs_n[None, :] * ss_n)
-        whole_mask = p_ok[:, None] & (offs_n < N)[None, :]
-        h0_whole = tl.load(whole_ptrs, mask=whole_mask, other=0.0)
-        if COMMIT:
-            # so does the commit: its inputs come from before this forward (gathered from the previous
-            # verify's stash), and only this program writes this tile
-            h0_whole = _committed(h0_whole, whole_ptrs, whole_mask, tree, h, h // heads_per_group, offs_p, p_ok,
-                                  offs_n, offs_n < N, tl.load(A_ptr + h).to(tl.float32),
-                                  tl.load(bias_ptr + h).to(tl.float32), dt_lo, dt_hi,
-                                  cstart_ptr, clen_ptr, xc_ptr, dtc_ptr, bc_ptr,
-                                  sxc_r, sxc_h, sxc_p, sdc_r, sdc_h, sbc_r, sbc_g, sbc_n, STEPS)
+        # A one-tile tree reads its committed state in one piece. Nothing in a verify step writes the
+        # state pool (commits come after), so under PDL the read, the bulk of the scan's bytes at
+        # small trees, runs while the kernel before finishes, as the fused decode step's does.
+        h0_whole = tl.load(state_ptr + tl.load(slot_ptr + tree).to(tl.int64) * ss_s + h * ss_h
+                           + offs_p[:, None] * ss_p + offs_n[None, :] * ss_n,
+                           mask=p_ok[:, None] & (offs_n < N)[None, :], other=0.0)
     wait_for_previous(PDL)  # every input below but the state may come from the kernel before
     start = tl.load(cu_ptr + tree)
     n = tl.load(cu_ptr + tree + 1) - start
@@ -313,11 +258,6 @@ def _tree_ssd_kernel(
             else:
                 h0 = tl.load(st + offs_p[:, None] * ss_p + nn[None, :] * ss_n,
                              mask=p_ok[:, None] & n_ok[None, :], other=0.0)
-                if COMMIT:
-                    h0 = _committed(h0, st + offs_p[:, None] * ss_p + nn[None, :] * ss_n,
-                                    p_ok[:, None] & n_ok[None, :], tree, h, g, offs_p, p_ok, nn, n_ok, A, bias,
-                                    dt_lo, dt_hi, cstart_ptr, clen_ptr, xc_ptr, dtc_ptr, bc_ptr,
-                                    sxc_r, sxc_h, sxc_p, sdc_r, sdc_h, sbc_r, sbc_g, sbc_n, STEPS)
             ch += tl.dot(c, tl.trans(h0), input_precision=PREC)
         cb_diag += tl.dot(c, tl.trans(b), input_precision=PREC)
     dt_i = _activated(dt_raw, dt_ok, bias, dt_lo, dt_hi)
@@ -377,8 +317,7 @@ def _tree_ssd_kernel(
 
 
 def tree_ssd_scan_deferred_norm(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes,
-                                dt_limit, z, norm_weight, norm_eps: float, ancestors=None,
-                                commit: AcceptedPaths | None = None):
+                                dt_limit, z, norm_weight, norm_eps: float, ancestors=None):
     """Triton `tree_ssd_scan_deferred_norm`: same contract as its `_ref` twin -> (u (T, H * P) in the
     promoted dtype of norm_weight and z, SumOfSquares with one partial sum per program of a node)."""
     T, H, P = x.shape
@@ -386,16 +325,13 @@ def tree_ssd_scan_deferred_norm(x, dt, A, B, C, D, dt_bias, ssm_state, parents, 
         raise ValueError(f"the deferred norm needs z {tuple(x.shape)} and a norm weight ({H * P},)")
     out_dtype = torch.promote_types(norm_weight.dtype, z.dtype)
     return _launch(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes, dt_limit, z,
-                   ancestors, out_dtype=out_dtype, norm=(norm_weight.contiguous(), float(norm_eps)), commit=commit)
+                   ancestors, out_dtype=out_dtype, norm=(norm_weight.contiguous(), float(norm_eps)))
 
 
 def tree_ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes, dt_limit, z=None,
-                  ancestors=None, commit: AcceptedPaths | None = None, *, block_p: int | None = None,
-                  block_n: int | None = None, num_warps: int | None = None, maxnreg: int | None = None):
-    """Triton `tree_ssd_scan`: same contract as `tree_ssd_scan_ref`; `ssm_state` is only read, unless
-    `commit` is given: then every tree must fit one node tile (max_nodes <= MAX_TILE), since each
-    program advances and stores the state tile it reads, and every path must have at most
-    COMMIT_STEPS nodes (a device tensor is not checked here; the twin refuses longer ones).
+                  ancestors=None, *, block_p: int | None = None, block_n: int | None = None,
+                  num_warps: int | None = None, maxnreg: int | None = None):
+    """Triton `tree_ssd_scan`: same contract as `tree_ssd_scan_ref`; `ssm_state` is only read.
 
     `ancestors` (T, W) int32 is `tree_struct.ancestor_bits(parents, cu_seqlens, max_nodes)`, built once
     per forward and shared by every layer; when None it is built here (one extra launch).
@@ -404,11 +340,11 @@ def tree_ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, sl
     cap per thread (None or 0: none); None picks the defaults below.
     """
     return _launch(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes, dt_limit, z,
-                   ancestors, commit=commit, block_p=block_p, block_n=block_n, num_warps=num_warps, maxnreg=maxnreg)
+                   ancestors, block_p=block_p, block_n=block_n, num_warps=num_warps, maxnreg=maxnreg)
 
 
 def _launch(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes, dt_limit, z, ancestors,
-            *, out_dtype=None, norm=None, commit=None, block_p=None, block_n=None, num_warps=None, maxnreg=None):
+            *, out_dtype=None, norm=None, block_p=None, block_n=None, num_warps=None, maxnreg=None):
     """The scan's launch: -> y (T, H, P), or with `norm` = (weight, eps) -> (u (T, H * P) of `out_dtype`,
     SumOfSquares)."""
     T, H, P = x.shape
@@ -428,9 +364,6 @@ def _launch(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx
     lo, hi = limits(dt_limit)
     bn = block_nodes(max_nodes)
     bi = min(bn, MAX_TILE)
-    if commit is not None and bn > bi:
-        raise ValueError(f"a commit fused into the scan needs trees of at most {MAX_TILE} nodes, got max_nodes "
-                         f"{max_nodes}: a taller tree's row tiles would each advance the same state")
     # Tiles are at least 32 wide (masked past P and N): with 16-wide headdim/d_state tiles and 64-node
     # trees, triton 3.6 compiled a scan that read shared memory out of bounds on sm_90
     # (compute-sanitizer); real layers have P, N >= 32 and are unaffected.
@@ -442,15 +375,6 @@ def _launch(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx
         # both halves, and at 128 nodes whole heads ran in 0.64-0.74x the time (H200 sweep,
         # bench.ssm_kernels, both layer shapes)
         bp = 32
-    if commit is not None and block_p is None:
-        # The commit's tiles (the state tile, its update, four steps' inputs) live beside the scan's:
-        # with the default tiles they took the deferred-norm scan to 217 registers and 1.15x the scan
-        # plus the commit kernel at 64 sequences. Narrow headdim tiles (whole d_state, the state read
-        # and committed before the wait) in 2 warps took 0.84-0.89x at 16 and 64 sequences of 16-node
-        # trees, both layer shapes (H100, BENCHMARKS.md seventeenth round). Taller node tiles keep 4
-        # warps: in 2, a 64-node tile spills.
-        bp = 32
-        num_warps = num_warps or (2 if bi <= 16 else 4)
     if num_warps is None:
         # One warpgroup per program, at every tree size and batch: after the loads were gathered into
         # one round, 4 warps were the fastest or within 4% of it at 16/64/128 nodes, batch 1 and 16,
@@ -464,19 +388,14 @@ def _launch(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx
     # every node's row of partial sums is written (one column per (head, headdim tile) program);
     # rows past the last tree, if any, are not, and no real row reads them
     parts = ssm_common.new_output((T, H * triton.cdiv(P, bp)), torch.float32, x.device) if norm else A
-    # without a commit its pointers are stand-ins the kernel never reads
-    paths = commit if commit is not None else AcceptedPaths(cu_seqlens, cu_seqlens, x, dt, B)
     _tree_ssd_kernel[grid](
         x, dt, A, B, C, D_arg, bias, ssm_state, zt, y,
         ancestors, as_int32(cu_seqlens), as_int32(slot_idx), norm[0] if norm else A, parts,
-        as_int32(paths.start), as_int32(paths.length), paths.x, paths.dt, paths.B,
         hpg, lo, hi,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
         *ssm_state.stride(), *zt.stride(), *y.stride(), ancestors.stride(0), parts.stride(0),
-        *paths.x.stride(), *paths.dt.stride(), *paths.B.stride(),
         P=P, N=N, ROW_TILES=bn // bi, BI=bi, BP=bp, BN=block_n,
-        HAS_D=D is not None, HAS_Z=z is not None, DEFER_NORM=norm is not None, COMMIT=commit is not None,
-        STEPS=COMMIT_STEPS, PREC=dot_precision(x.dtype),
+        HAS_D=D is not None, HAS_Z=z is not None, DEFER_NORM=norm is not None, PREC=dot_precision(x.dtype),
         **pdl.launch_options(x.device),
         num_warps=num_warps,
         num_stages=1, maxnreg=maxnreg or None,  # no cap unless asked: capping never won with 4 warps

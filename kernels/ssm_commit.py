@@ -9,8 +9,6 @@ tensor carries a layer axis.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -69,39 +67,6 @@ def ssm_state_commit_ref(ssm_state, slot_idx, x, dt, B, rows, path_len, A, dt_bi
         total = total + dA[:, k]
         inputs = inputs + w[:, k, ..., None, None] * xs[:, k, ..., None] * Bh[:, k, ..., None, :]
     state[slots] = torch.exp(total)[..., None, None] * state[slots] + inputs
-
-
-class AcceptedPaths(NamedTuple):
-    """Accepted paths, one per tree of a verify batch, still to be applied to the SSM state: what
-    `tree_ssd_scan(..., commit=)` applies before it reads each state (a commit fused into the
-    verify that follows it).
-
-    start, length (nb,) int32: tree b's path is rows start[b] .. start[b] + length[b] - 1 of x, dt
-    and B, root first; length 0 commits nothing (that tree's state is only read, as without
-    `commit`), and at most `kernels.ssd_tree.COMMIT_STEPS` (the scan's steps are unrolled; a
-    longer path is committed on its own). x (R, H, P), dt (R, H) raw, B (R, G, N): one layer's per-node inputs of the verify
-    the paths come from (its stash rows, gathered)."""
-
-    start: torch.Tensor
-    length: torch.Tensor
-    x: torch.Tensor
-    dt: torch.Tensor
-    B: torch.Tensor
-
-
-def commit_accepted_paths_ref(ssm_state, slot_idx, paths: AcceptedPaths, A, dt_bias, dt_limit) -> None:
-    """`ssm_state_commit_ref` of `AcceptedPaths`: one layer's ssm_state (S, H, P, N) advanced in place
-    along each tree's path (tree b's state is slot slot_idx[b])."""
-    if not paths.length.numel() or int(paths.length.max()) == 0:
-        return
-    K = int(paths.length.max())
-    from kernels.ssd_tree import COMMIT_STEPS
-
-    if K > COMMIT_STEPS:
-        raise ValueError(f"an accepted path of {K} nodes; a commit fused into the scan takes at most {COMMIT_STEPS}")
-    last = paths.x.shape[0] - 1
-    rows = (paths.start.long()[:, None] + torch.arange(K, device=paths.start.device)[None, :]).clamp(0, last)
-    ssm_state_commit_ref(ssm_state, slot_idx, paths.x, paths.dt, paths.B, rows, paths.length, A, dt_bias, dt_limit)
 
 
 @triton.jit

@@ -7,7 +7,6 @@ in one transfer; lengths stay on the host so no step needs a device sync.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -21,8 +20,7 @@ class Packed:
     tokens (T,) int64; parents (T,) int32 local (-1 for roots, chains for prompts); cu_seqlens (B+1,)
     int32; slot_idx (B,) int32; cache_lens (B,) int32 committed lengths; positions (T,) int64
     (committed length + depth); max_nodes the largest sequence/tree. `sizes`, `slots`, `lens` are the
-    host copies of the per-sequence data. `paths` (models.verify.GatheredPaths, verify graphs only):
-    accepted paths of the previous verify whose SSM part this forward's scans apply first.
+    host copies of the per-sequence data.
     """
 
     tokens: torch.Tensor
@@ -35,7 +33,6 @@ class Packed:
     sizes: list[int]
     slots: list[int]
     lens: list[int]
-    paths: Any = None
     _ancestors: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def ancestors(self) -> torch.Tensor:

@@ -19,14 +19,6 @@ Commits of handles that still alias that stash are graphs too, per (batch bucket
 bucket): one host-to-device copy of the layout `models.verify.commit_meta` builds and one replay,
 where an eager commit costs about ten launches of host time (0.4-0.8 ms at the 2.7B shape, where the
 device needs 0.15). Padded items are no-ops on the scratch slot.
-
-A commit followed by a verify of the same sequences (`HybridLM.verify(..., commits=)`, what a
-verifier does every step) goes further where it can (`gather_commit`): the commit's graph moves the
-conv states and K/V as usual but leaves the SSM states alone, copying the paths' SSM inputs out of
-the stash instead; the verify's scans then apply them to each state as they read it
-(`GatheredPaths`). Each SSM state is then read and written once per step instead of read twice and
-written once. Verify graphs of at least FUSE_COMMITS_FROM trees that fit one scan tile are built
-for it.
 """
 from __future__ import annotations
 
@@ -38,10 +30,8 @@ import weakref
 
 import torch
 
-from kernels.ssd_tree import COMMIT_STEPS, MAX_TILE
-from kernels.tree_index import block_nodes
 from models.batch import Packed
-from models.verify import GatheredPaths, VerifyStash, commit_meta, run_commit
+from models.verify import VerifyStash, commit_meta, run_commit
 
 # Held while a graph is captured. Work another thread of this process launches on the device during a
 # capture breaks it (PyTorch's default stream synchronises with the capturing one), and a broken
@@ -69,12 +59,6 @@ def _no_collection():
 
 
 NODE_BUCKETS = (1, 4, 8, 16, 32, 64, 128)
-# Verify graphs of at least this many trees (batch bucket) apply the commit before them in their scans.
-# At one 64-node tree, the scan built for it took 0.2 ms longer over a 2.7B verify without a commit
-# to apply (H100, BENCHMARKS.md seventeenth round), while at one sequence a fused commit saves little
-# (the commit kernel takes 2 us a layer); from 4 sequences on the fused scan took 0.83-0.89x the
-# scan plus the commit.
-FUSE_COMMITS_FROM = 4
 
 
 def _batch_buckets(max_slots: int) -> list[int]:
@@ -129,17 +113,13 @@ class GraphRunner:
 
     Verify graphs exist for padded sizes of at most `max_rows` nodes in all (the shared stash is
     that big); larger batches of trees run eagerly, where launch overhead matters less anyway.
-    Verify graphs of at least `fuse_commits_from` trees (batch bucket) of one scan tile each take
-    the commit before them in their scans (`gather_commit`).
     If a capture fails the runner records why in `failures` and that step runs eagerly.
     """
 
-    def __init__(self, lm, node_buckets=NODE_BUCKETS, capture: bool = True, max_rows: int = 1024,
-                 fuse_commits_from: int = FUSE_COMMITS_FROM):
+    def __init__(self, lm, node_buckets=NODE_BUCKETS, capture: bool = True, max_rows: int = 1024):
         self.lm = lm
         self.capture = capture
         self.max_rows = max_rows
-        self.fuse_commits_from = fuse_commits_from
         self.failures: list[str] = []
         pool = lm.pool
         self.batch_buckets = _batch_buckets(pool.max_slots)
@@ -148,11 +128,8 @@ class GraphRunner:
         self._decode: dict[int, _Graph] = {}
         self._verify: dict[tuple[int, int], _Graph] = {}
         self._commit: dict[tuple[int, int], _Graph] = {}
-        self._gather: dict[tuple[int, int], _Graph] = {}
         rows = min(max_rows, max(self.batch_buckets) * max(self.node_buckets))
         self.stash = VerifyStash(pool, rows, lm.dtype)
-        # where commits fused into the next verify leave their paths' SSM inputs (Mamba2 models)
-        self.gathered = GatheredPaths.buffers(pool, rows, lm.dtype) if pool.n_mamba else None
         self._handed_out = None  # weakref to the last stash view given to pending handles
 
     # ---- which steps fit ------------------------------------------------------------------------
@@ -181,23 +158,21 @@ class GraphRunner:
         g.replay()
         return self.lm.logits(g.hidden[: len(slots)])
 
-    def verify(self, slots: list[int], lens: list[int], trees, paths: list[tuple[int, int]] | None = None):
+    def verify(self, slots: list[int], lens: list[int], trees):
         """-> (final-norm hidden states (T, d_model) of the real nodes, packed; stash; first stash
         row of each tree), or None when this bucket has no graph (the caller runs eagerly). The
-        hidden states may alias the graph's output buffer: use them before the next replay.
-        `paths`: what `gather_commit` returned for these slots, just before."""
+        hidden states may alias the graph's output buffer: use them before the next replay."""
         B = len(slots)
         Bb = _bucket(B, self.batch_buckets)
         Nb = _bucket(max(len(t.tokens) for t in trees), self.node_buckets)
-        g = self._verify_graph(Bb, Nb)
+        g = self._verify[(Bb, Nb)] if (Bb, Nb) in self._verify else self._capture_verify(Bb, Nb)
         if g is None:
             return None
         self._release_stash()
         scratch = self.lm.pool.scratch_slot
         tokens = [list(t.tokens) for t in trees] + [[0]] * (Bb - B)
         parents = [list(t.parents) for t in trees] + [[-1]] * (Bb - B)
-        spans = (paths or [(0, 0)] * B) + [(0, 0)] * (Bb - B)
-        meta = _tree_meta(tokens, parents, slots + [scratch] * (Bb - B), lens + [0] * (Bb - B), Nb, spans)
+        meta = _tree_meta(tokens, parents, slots + [scratch] * (Bb - B), lens + [0] * (Bb - B), Nb)
         g.meta.copy_(meta, non_blocking=True)
         g.replay()
         if B == 1:
@@ -227,46 +202,6 @@ class GraphRunner:
         g.meta.copy_(commit_meta(items, paths, Bb, Kb, Bb * Kb, self.lm.pool.scratch_slot), non_blocking=True)
         g.replay()
         return True
-
-    def gather_commit(self, items, paths: list[list[int]], slots: list[int], sizes: list[int]):
-        """The first half of a commit fused into the verify of `slots` (trees of `sizes` nodes) that
-        follows it: one graph replay that advances the conv states and K/V of a checked commit
-        (`models.verify.check_commit`: items and their paths) and gathers its SSM inputs for the
-        verify's scans. Returns, per slot of the verify, (first gathered row, path length), for
-        `verify(..., paths=)`, which must come next; the caller marks the handles consumed.
-        None, with nothing done, when the pair does not fit: a model without Mamba2 blocks, a
-        commit of a slot outside the verify, a path longer than the scan takes (COMMIT_STEPS), fewer
-        trees than `fuse_commits_from` or trees taller than one scan tile, a handle whose stash no longer aliases the shared one, sizes past
-        the buckets or the gather rows, a failed capture."""
-        if self.gathered is None or not self.can_verify(sizes):
-            return None
-        where = {s: b for b, s in enumerate(slots)}
-        if any(p.slot not in where for p, _ in items):
-            return None
-        Bb = _bucket(len(slots), self.batch_buckets)
-        Nb = _bucket(max(sizes), self.node_buckets)
-        if not self._fuses(Bb, Nb):
-            return None
-        Bc = _bucket(len(items), self.batch_buckets)
-        Kc = _bucket(max(len(p) for p in paths), self.node_buckets)
-        if Bc is None or Kc is None or Bc * Kc > self.gathered[0].shape[0] or max(len(p) for p in paths) > COMMIT_STEPS:
-            return None
-        # the verify's graph first: capturing it writes the stash (after copying out what live
-        # handles need, which then no longer alias it: checked next)
-        if self._verify_graph(Bb, Nb) is None:
-            return None
-        shared = self.stash.tensors()
-        if not all(getattr(p.stash, name, None) is t for p, _ in items for name, t in shared.items()):
-            return None
-        g = self._gather[(Bc, Kc)] if (Bc, Kc) in self._gather else self._capture_gather(Bc, Kc)
-        if g is None:
-            return None
-        g.meta.copy_(commit_meta(items, paths, Bc, Kc, Bc * Kc, self.lm.pool.scratch_slot), non_blocking=True)
-        g.replay()
-        spans = [(0, 0)] * len(slots)
-        for j, ((p, _), path) in enumerate(zip(items, paths)):
-            spans[where[p.slot]] = (j * Kc, len(path))
-        return spans
 
     def capture_all(self) -> None:
         """Capture every bucket now (start-up), instead of on first use."""
@@ -313,36 +248,13 @@ class GraphRunner:
         self._decode[Bb] = g
         return g
 
-    def _fuses(self, Bb: int, Nb: int) -> bool:
-        """Whether the verify of this bucket applies the commit before it in its scans: enough trees,
-        a model with Mamba2 blocks, and trees of one scan tile (taller ones' row tiles would each
-        advance the same state)."""
-        return self.gathered is not None and Bb >= self.fuse_commits_from and block_nodes(Nb) <= MAX_TILE
-
-    def _verify_graph(self, Bb: int, Nb: int):
-        """The verify graph of this bucket, captured now if it is not yet (None: it failed)."""
-        return self._verify[(Bb, Nb)] if (Bb, Nb) in self._verify else self._capture_verify(Bb, Nb)
-
     def _capture_verify(self, Bb: int, Nb: int):
         scratch = self.lm.pool.scratch_slot
-        meta = _tree_meta([[0]] * Bb, [[-1]] * Bb, [scratch] * Bb, [0] * Bb, Nb, [(0, 0)] * Bb)
+        meta = _tree_meta([[0]] * Bb, [[-1]] * Bb, [scratch] * Bb, [0] * Bb, Nb)
         self._release_stash()  # the warm-up run writes the shared stash
-        gathered = self.gathered if self._fuses(Bb, Nb) else None
-        g = self._try_capture(meta, lambda m: self.lm.hidden("verify", _unpack(m, Bb, Nb, gathered), self.stash),
+        g = self._try_capture(meta, lambda m: self.lm.hidden("verify", _unpack(m, Bb, Nb), self.stash),
                               f"verify {Bb} x {Nb}")
         self._verify[(Bb, Nb)] = g
-        return g
-
-    def _capture_gather(self, Bc: int, Kc: int):
-        # as `_capture_commit`: the warm-up run moves nothing but the scratch slot's states, and
-        # copies stash rows into the gather buffers, which no live handle reads
-        lm, rows = self.lm, Bc * Kc
-        meta = commit_meta([], [], Bc, Kc, rows, lm.pool.scratch_slot)
-        g = self._try_capture(
-            meta, lambda m: run_commit(lm.pool, self.stash, m, Bc, Kc, rows, lm.A_all, lm.dt_bias_all, lm.dt_limit,
-                                       gather_into=self.gathered),
-            f"commit (gathered) {Bc} x {Kc}")
-        self._gather[(Bc, Kc)] = g
         return g
 
     def _capture_commit(self, Bb: int, Kb: int):
@@ -391,23 +303,15 @@ class _StashView(VerifyStash):
 
 # ---- static input layout -------------------------------------------------------------------------
 # meta = tokens (T) | positions (T) | parents (T) | cu_seqlens (B+1) | slot_idx (B) | cache_lens (B)
-#        [ | path_start (B) | path_len (B) ]   (verify: the gathered accepted paths, GatheredPaths)
 
 
-def _unpack(meta: torch.Tensor, B: int, N: int, gathered=None) -> Packed:
-    """`gathered`: the (xBC, dt) buffers of `GatheredPaths`, for a verify whose scans apply the paths
-    in its meta; None for a decode, or a verify that has them but cannot apply them."""
+def _unpack(meta: torch.Tensor, B: int, N: int) -> Packed:
     T = B * N
-    sizes = [T, T, T, B + 1, B, B]
-    tok, pos, par, cu, slot, lens, *rest = torch.split(meta, sizes + [meta.numel() - sum(sizes)])
-    paths = None
-    if gathered is not None:
-        start, length = rest[0].to(torch.int32).split([B, B])
-        paths = GatheredPaths(*gathered, start, length)
+    tok, pos, par, cu, slot, lens = torch.split(meta, [T, T, T, B + 1, B, B])
     return Packed(
         tokens=tok, positions=pos, parents=par.to(torch.int32), cu_seqlens=cu.to(torch.int32),
         slot_idx=slot.to(torch.int32), cache_lens=lens.to(torch.int32), max_nodes=N,
-        sizes=[N] * B, slots=[], lens=[], paths=paths,
+        sizes=[N] * B, slots=[], lens=[],
     )
 
 
@@ -416,9 +320,8 @@ def _decode_meta(tokens: list[int], slots: list[int], lens: list[int]) -> torch.
     return torch.tensor(tokens + lens + [-1] * B + list(range(B + 1)) + slots + lens, dtype=torch.int64)
 
 
-def _tree_meta(tokens, parents, slots, lens, N: int, paths: list[tuple[int, int]]) -> torch.Tensor:
-    """Trees padded to N nodes each: padding nodes are extra children of the root. `paths`: per tree,
-    (first gathered row, length) of the accepted path its scans apply first ((0, 0): none)."""
+def _tree_meta(tokens, parents, slots, lens, N: int) -> torch.Tensor:
+    """Trees padded to N nodes each: padding nodes are extra children of the root."""
     tok, pos, par = [], [], []
     for t, p, L in zip(tokens, parents, lens):
         n = len(t)
@@ -430,5 +333,4 @@ def _tree_meta(tokens, parents, slots, lens, N: int, paths: list[tuple[int, int]
         pos += [L + d for d in depth] + [L + 1] * (N - n)
     B = len(tokens)
     cu = [b * N for b in range(B + 1)]
-    start, length = [p[0] for p in paths], [p[1] for p in paths]
-    return torch.tensor(tok + pos + par + cu + list(slots) + list(lens) + start + length, dtype=torch.int64)
+    return torch.tensor(tok + pos + par + cu + list(slots) + list(lens), dtype=torch.int64)

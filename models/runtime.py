@@ -47,8 +47,7 @@ from models.loading import (
     read_config,
 )
 from models.state import StatePool
-from models.verify import Pending, VerifyResult, VerifyStash, check_commit, mark_committed
-from models.verify import commit as commit_paths
+from models.verify import Pending, VerifyResult, VerifyStash, commit as commit_paths
 
 
 class _Norm(nn.Module):
@@ -338,7 +337,6 @@ class HybridLM(nn.Module):
         trees: Sequence[Any],
         reduce: Callable[[torch.Tensor], Any] | None = None,
         head: Callable[[torch.Tensor], Any] | None = None,
-        commits: Sequence[tuple[Pending, Sequence[int]]] = (),
     ) -> VerifyResult:
         """Logits at every node of every tree (`trees[b]` has `tokens` and `parents`, node 0 the
         root at position L). Committed state is untouched.
@@ -348,39 +346,21 @@ class HybridLM(nn.Module):
         full-vocabulary tensors. `head`, when given, replaces the LM head itself: it gets the
         final-norm hidden states (T, d_model) and its result is `output` (a drafter computes
         logits of a few rows over its trimmed vocabulary this way); `reduce` is then ignored.
-
-        `commits`: (pending, path) pairs as `commit` takes them, applied before the trees are
-        verified, exactly as `commit(commits)` then this call. Everything is checked before any
-        state changes (a bad commit or tree raises with nothing applied). Where the verify runs as
-        a graph and every commit's slot is in it, the commit's SSM part rides in the verify's scans
-        (`GraphRunner.gather_commit`), which saves reading and writing every SSM state once.
         """
         slots = self._check(slots, len(trees), "verify")
-        items = list(commits)
-        paths = check_commit(self.pool, items) if items else []
         if not slots:
-            self.commit(items)
             empty = self._empty_logits()
             return VerifyResult(None, [0], [], reduce(empty)) if reduce is not None else VerifyResult(empty, [0], [])
-        grows = {p.slot: len(path) for (p, _), path in zip(items, paths)}
         for s, t in zip(slots, trees):
             if len(t.tokens) == 0 or len(t.parents) != len(t.tokens) or t.parents[0] != -1:
                 raise ValueError(f"verify: malformed tree for slot {s}")
             self._check_tokens(t.tokens, "verify")
-            self.pool.check_room(s, grows.get(s, 0) + len(t.tokens), "verify")
-        sizes = [len(t.tokens) for t in trees]
-        gathered = None
-        if items:
-            if self.graphs is not None:
-                gathered = self.graphs.gather_commit(items, paths, slots, sizes)
-            if gathered is None:
-                self.commit(items)
-            else:
-                mark_committed(self.pool, items, paths)
+            self.pool.check_room(s, len(t.tokens), "verify")
         lens = [self.pool.length(s) for s in slots]
+        sizes = [len(t.tokens) for t in trees]
         step = None
-        if gathered is not None or (self.graphs is not None and self.graphs.can_verify(sizes)):
-            step = self.graphs.verify(slots, lens, trees, gathered)
+        if self.graphs is not None and self.graphs.can_verify(sizes):
+            step = self.graphs.verify(slots, lens, trees)
         if step is not None:
             hidden, stash, rows0 = step
         else:

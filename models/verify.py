@@ -13,8 +13,6 @@ from typing import Any, Sequence
 import torch
 
 from kernels import ops
-from kernels.ssm_commit import AcceptedPaths
-from models.config import MambaSpec
 from models.errors import StaleHandle
 from models.state import StatePool
 
@@ -73,34 +71,6 @@ class VerifyStash:
         for name, t in self.tensors().items():
             setattr(self, name, t[:rows].clone())
         self.rows = rows
-
-
-class GatheredPaths:
-    """Accepted paths taken out of a verify's stash for the SSM part of their commit, which the
-    scans of the next verify apply (`kernels.ssd_tree`, `commit=`) while they read the states anyway:
-    each state is then read and written once in a step, not read by the commit, written, and read
-    again by the scan.
-
-    xBC (R, n_mamba, conv_dim): every Mamba2 block's conv output rows as the stash holds them (whole
-    rows: a gather of contiguous rows took half the time of one of the x | B columns); dt (R,
-    n_mamba, H): its raw dt; start, length (B,) int32 per tree of the verify batch: its path's rows,
-    root first (length 0: nothing to apply). Row counts are a graph's static sizes; rows no path
-    uses hold anything."""
-
-    def __init__(self, xBC: torch.Tensor, dt: torch.Tensor, start: torch.Tensor, length: torch.Tensor):
-        self.xBC, self.dt, self.start, self.length = xBC, dt, start, length
-
-    @classmethod
-    def buffers(cls, pool: StatePool, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Empty (xBC, dt) buffers of `rows` rows for `pool`'s Mamba2 blocks."""
-        m = pool.mamba
-        xBC = torch.empty(rows, pool.n_mamba, m.conv_dim, dtype=dtype, device=pool.device)
-        return xBC, torch.empty(rows, pool.n_mamba, m.n_heads, dtype=dtype, device=pool.device)
-
-    def layer(self, i: int, spec: MambaSpec) -> AcceptedPaths:
-        """Mamba2 block number `i`'s view: x (R, H, P), dt (R, H), B (R, G, N)."""
-        x, B, _ = spec.split_conv(self.xBC[:, i])
-        return AcceptedPaths(self.start, self.length, x, self.dt[:, i], B)
 
 
 @dataclass(eq=False)
@@ -184,16 +154,11 @@ def commit_meta(items: Sequence[tuple[Pending, Sequence[int]]], paths: list[list
 
 
 def run_commit(pool: StatePool, stash: VerifyStash, meta: torch.Tensor, batch: int, steps: int, attn_rows: int,
-               A_all: torch.Tensor | None, dt_bias_all: torch.Tensor | None, dt_limit,
-               gather_into: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+               A_all: torch.Tensor | None, dt_bias_all: torch.Tensor | None, dt_limit) -> None:
     """The device work of a commit laid out by `commit_meta` (on the device, in `meta`): advance
     every block's state, one kernel call per state kind; the Mamba2 kernels read their path inputs
     in place in the stash, through the row table. No host sync and no shape that depends on the
-    values, so a CUDA graph can hold it. A_all and dt_bias_all are (n_mamba, H).
-
-    `gather_into` = `GatheredPaths.buffers(...)`: the SSM states are left for the next verify's scans;
-    item b's path inputs are copied to rows b * steps .. b * steps + steps - 1 of those buffers
-    instead (the conv states and the K/V advance as always)."""
+    values, so a CUDA graph can hold it. A_all and dt_bias_all are (n_mamba, H)."""
     split = torch.split(meta, [batch, batch, batch, batch + 1, batch * steps, attn_rows])
     slot_idx, cache_lens, path_len, cu_paths = (t.to(torch.int32) for t in split[:4])
     mamba_rows, attn_idx = split[4].view(batch, steps), split[5]
@@ -201,13 +166,7 @@ def run_commit(pool: StatePool, stash: VerifyStash, meta: torch.Tensor, batch: i
         m = pool.mamba
         x, Bp, _ = m.split_conv(stash.xBC)  # views (T, n_mamba, H, P) and (T, n_mamba, G, N)
         xbc, dt = stash.xbc_dt[..., : m.conv_dim], stash.xbc_dt[..., m.conv_dim :]
-        if gather_into is None:
-            ops.ssm_state_commit(pool.ssm, slot_idx, x, dt, Bp, mamba_rows, path_len, A_all, dt_bias_all, dt_limit)
-        else:
-            xBC, dt_rows = gather_into
-            flat, n = mamba_rows.reshape(-1), batch * steps
-            torch.index_select(stash.xBC, 0, flat, out=xBC[:n])
-            torch.index_select(dt, 0, flat, out=dt_rows[:n])
+        ops.ssm_state_commit(pool.ssm, slot_idx, x, dt, Bp, mamba_rows, path_len, A_all, dt_bias_all, dt_limit)
         ops.conv_state_commit(pool.conv, slot_idx, xbc, mamba_rows, path_len, cache_lens)
     if pool.n_attn:
         a, La = pool.attention, pool.n_attn
@@ -259,11 +218,6 @@ def commit(
         attn_rows = sum(len(p) for p in paths)
         meta = commit_meta(pendings, paths, len(items), steps, attn_rows, pool.scratch_slot).to(pool.device)
         run_commit(pool, stash, meta, len(items), steps, attn_rows, A_all, dt_bias_all, dt_limit)
-    mark_committed(pool, items, paths)
-
-
-def mark_committed(pool: StatePool, items: Sequence[tuple[Pending, Sequence[int]]], paths: list[list[int]]) -> None:
-    """The host's side of an applied commit: the handles are used up, the slots longer."""
     for (pending, _), path in zip(items, paths):
         pending.consumed = True
         pool.advance(pending.slot, len(path))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -135,7 +135,7 @@ class Engine:
         seq.last_used = self._clock()
         path = plan_commit(seq, committed_length, accepted_nodes)
         if path is not None:
-            failed = self._apply_commits([(seq, seq.verified.pending, path)])
+            failed = self._apply_commits([(seq, path)])
             if failed:
                 raise failed[seq.id]
             self._metrics.commits.inc()
@@ -143,8 +143,8 @@ class Engine:
 
     # ---- verification -------------------------------------------------------------------
     def verify(self, works: list[VerifyWork]) -> BatchReport:
-        """Every item's piggy-backed commit and one forward over every tree, in one runtime call
-        (`HybridLM.verify(..., commits=)`, which applies the commits first). A failing item gets its error; the others are unaffected. Its metrics are left to
+        """Commits first (one batched runtime call), then one forward over every remaining tree.
+        A failing item gets its error; the others are unaffected. Its metrics are left to
         `record(report)`, for the caller to run once the answers are handed out: a handful of
         Prometheus updates cost tens of microseconds on a cold cache, on every step."""
         now = self._clock()
@@ -167,18 +167,26 @@ class Engine:
             return BatchReport(outputs, 0.0, 0)
 
         t0 = time.perf_counter()
-        plan = {seq.id: path for _, seq, path in staged if path}
-        ready = [(i, seq) for i, seq, _ in staged]
-        commits = self._forward(ready, works, outputs, plan)
+        commits = [(seq, path) for _, seq, path in staged if path]
+        failed = self._apply_commits(commits)
+        ready = []
+        for i, seq, _ in staged:
+            if seq.id in failed:
+                outputs[i].error = failed[seq.id]
+            else:
+                ready.append((i, seq))
+        for i, seq in ready:
+            outputs[i].committed_length = seq.length
+        self._forward(ready, works, outputs)
         forward_ms = (time.perf_counter() - t0) * 1e3
 
-        ready = [(i, seq) for i, seq in ready if outputs[i].result is not None]
         nodes = sum(works[i].tree.size for i, _ in ready)
         if ready:
             self.forward_passes += 1
             self.verified_nodes += nodes
             self.forward_ms_total += forward_ms
-        return BatchReport(outputs, forward_ms, len(ready), nodes, commits)
+        # every commit that did not fail was applied (see _apply_commits)
+        return BatchReport(outputs, forward_ms, len(ready), nodes, len(commits) - len(failed))
 
     def record(self, report: BatchReport) -> None:
         """The metrics of one `verify` batch (call once per report)."""
@@ -204,29 +212,28 @@ class Engine:
                 f"sequence length {self.limits.max_sequence_length}"
             )
 
-    def _apply_commits(self, items: list[tuple[Sequence, Any, list[int]]]) -> dict[str, BaseException]:
-        """Commit every (sequence, pending handle, path) in one runtime call; returns the errors by
-        sequence id. Should the batched call fail, each commit is retried alone so one bad commit
-        cannot fail the others (a commit the runtime did apply before failing shows in the slot's
-        length)."""
-        if not items:
+    def _apply_commits(self, pairs: list[tuple[Sequence, list[int]]]) -> dict[str, BaseException]:
+        """Commit every (sequence, path) in one runtime call; returns the errors by sequence id.
+        Should the batched call fail, each commit is retried alone so one bad commit cannot fail
+        the others (a commit the runtime did apply before failing shows in the slot's length)."""
+        if not pairs:
             return {}
         try:
-            self.lm.commit([(pending, path) for _, pending, path in items])
+            self.lm.commit([(seq.verified.pending, path) for seq, path in pairs])
         except Exception as exc:  # noqa: BLE001 - isolated below
-            if len(items) == 1:
-                return {items[0][0].id: self._commit_failed(items[0][0], exc)}
+            if len(pairs) == 1:
+                return {pairs[0][0].id: self._commit_failed(pairs[0][0], exc)}
         else:
-            for seq, _, path in items:
+            for seq, path in pairs:
                 applied(seq, path)
             return {}
         failed = {}
-        for seq, pending, path in items:
+        for seq, path in pairs:
             if self.lm.pool.length(seq.slot) == seq.length + len(path):
                 applied(seq, path)
                 continue
             try:
-                self.lm.commit([(pending, path)])
+                self.lm.commit([(seq.verified.pending, path)])
             except Exception as exc:  # noqa: BLE001
                 failed[seq.id] = self._commit_failed(seq, exc)
             else:
@@ -238,63 +245,30 @@ class Engine:
         seq.verified = None  # whatever was pending is unusable now
         return runtime_error(exc)
 
-    def _forward(self, ready: list[tuple[int, Sequence]], works: list[VerifyWork], outputs: list[ItemOutput],
-                 plan: dict[str, list[int]]) -> int:
-        """One `lm.verify` over every ready tree, with the piggy-backed commits of their sequences
-        (`plan`: path by sequence id) in the same call, which applies them first (and, where it can,
-        inside the forward: `HybridLM.verify`). Returns how many commits were applied.
-
-        Should the batch fail, the commits it did not apply are applied on their own, each isolated
-        (`_apply_commits`), and the trees are verified one by one: one bad item cannot fail the
-        others."""
+    def _forward(self, ready: list[tuple[int, Sequence]], works: list[VerifyWork], outputs: list[ItemOutput]) -> None:
+        """One `lm.verify` over every ready tree; per-item retries only if the batch fails."""
         if not ready:
-            return 0
-        commits = [(seq, plan[seq.id]) for _, seq in ready if seq.id in plan]
-        handles = [seq.verified.pending for seq, _ in commits]
+            return
         for _, seq in ready:
             # verifying overwrites what the previous tree left in the slot's scratch space
             seq.verified = None
         try:
-            self._forward_batch(ready, works, outputs, commits, handles)
-        except Exception as exc:  # noqa: BLE001 - isolated below
-            return self._forward_apart(ready, works, outputs, commits, handles, exc)
-        return len(commits)
-
-    def _forward_apart(self, ready, works, outputs, commits, handles, exc: BaseException) -> int:
-        """After a failed batch: commits first (those the runtime did apply show in the slot's
-        length), then every tree alone; a lone tree gets the error without a retry."""
-        if len(ready) > 1:
-            log.warning("batched verify failed (%s); retrying its %d trees one by one", exc, len(ready))
-        left = []
-        for (seq, path), pending in zip(commits, handles):
-            if self.lm.pool.length(seq.slot) == seq.length + len(path):
-                applied(seq, path)
-            else:
-                left.append((seq, pending, path))
-        failed = self._apply_commits(left)
-        for i, seq in ready:
-            if seq.id in failed:
-                outputs[i].error = failed[seq.id]
-                continue
-            outputs[i].committed_length = seq.length
+            self._forward_batch(ready, works, outputs)
+        except Exception as exc:  # noqa: BLE001
             if len(ready) == 1:
-                log.warning("verify of sequence %r failed: %s", seq.id, exc, exc_info=exc)
-                outputs[i].error = runtime_error(exc)
-                continue
-            try:
-                self._forward_batch([(i, seq)], works, outputs, [], [])
-            except Exception as one:  # noqa: BLE001
-                outputs[i].error = runtime_error(one)
-        return len(commits) - len(failed)
+                log.warning("verify of sequence %r failed: %s", ready[0][1].id, exc, exc_info=True)
+                outputs[ready[0][0]].error = runtime_error(exc)
+                return
+            log.warning("batched verify failed (%s); retrying its %d trees one by one", exc, len(ready))
+            for item in ready:
+                try:
+                    self._forward_batch([item], works, outputs)
+                except Exception as one:  # noqa: BLE001
+                    outputs[item[0]].error = runtime_error(one)
 
-    def _forward_batch(self, ready: list[tuple[int, Sequence]], works: list[VerifyWork], outputs: list[ItemOutput],
-                       commits: list[tuple[Sequence, list[int]]], handles: list) -> None:
+    def _forward_batch(self, ready: list[tuple[int, Sequence]], works: list[VerifyWork], outputs: list[ItemOutput]) -> None:
         trees = [works[i].tree for i, _ in ready]
-        res = self.lm.verify([seq.slot for _, seq in ready], trees, commits=list(zip(handles, (p for _, p in commits))))
-        for seq, path in commits:
-            applied(seq, path)
-        for i, seq in ready:
-            outputs[i].committed_length = seq.length
+        res = self.lm.verify([seq.slot for _, seq in ready], trees)
         queries = [
             results.NodeQuery(works[i].tree, seq.length, seq.sampling, works[i].top_logprobs) for i, seq in ready
         ]

@@ -150,8 +150,7 @@ class MambaMixer(nn.Module):
 
     def verify(self, h: torch.Tensor, batch: Packed, pool: StatePool, stash) -> torch.Tensor | RowScaled:
         """h (T, d_model) packed tree nodes -> (T, d_model), or RowScaled((T, d_model), SumOfSquares) when
-        the gated norm's scale is deferred (as in `decode`); state untouched (but for the accepted paths of
-        `batch.paths`, applied first), commit data stashed."""
+        the gated norm's scale is deferred (as in `decode`); state untouched, commit data stashed."""
         s = self.spec
         # the conv also keeps what a commit needs: xBC | dt as they came (adjacent in_proj columns),
         # and writes its output into the stash, where the scan below and a later commit read it
@@ -172,13 +171,9 @@ class MambaMixer(nn.Module):
             batch.parents, batch.cu_seqlens, batch.slot_idx, batch.max_nodes, s.dt_limit,
         )
         ancestors = batch.ancestors()  # built once per forward, shared by every Mamba layer
-        # the previous tree's accepted path, applied to the state as the scan reads it (a commit
-        # fused into this verify: models.verify.GatheredPaths)
-        commit = batch.paths.layer(self.layer, s) if batch.paths is not None else None
         if self.defers_norm:  # the gated norm, less its scale, in the scan's own epilogue
             u, sums = ops.tree_ssd_scan_deferred_norm(
                 *scan, z.unflatten(-1, (s.n_heads, s.head_dim)), self.norm_weight, s.norm_eps, ancestors=ancestors,
-                commit=commit,
             )
             return RowScaled(self.out_proj(u), sums)
-        return self._finish(ops.tree_ssd_scan(*scan, ancestors=ancestors, commit=commit), z)
+        return self._finish(ops.tree_ssd_scan(*scan, ancestors=ancestors), z)

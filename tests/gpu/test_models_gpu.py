@@ -18,7 +18,7 @@ import torch
 
 from models import HybridLM
 from tests.models.hf_zoo import make_model, random_prompt
-from tests.models.trees import argmax_rows, greedy_walk, guided_tree, random_path, random_tree
+from tests.models.trees import argmax_rows, greedy_walk, guided_tree, random_tree
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -351,50 +351,3 @@ def test_commit_graph_is_the_eager_commit_bit_for_bit(arch, tmp_path_factory):
         for (p, _), pth in zip(items, paths):  # what commit() does after the device work
             p.consumed = True
             lm.pool.advance(p.slot, len(pth))
-
-
-@pytest.mark.parametrize("arch", ["mamba2", "nemotron_h_dense", "bamba", "zamba2"])
-def test_commit_fused_into_the_verify_is_commit_then_verify(arch, tmp_path_factory):
-    """verify(commits=) through captured graphs (the commit's SSM part in the verify's scans) against
-    commit then verify on a second copy, in bf16: every state the same bits, round after round, on
-    batches of 1-3 trees of up to 64 nodes, and the logits within the tolerance of graphs against
-    eager (a scan that commits runs in other tiles). The commit rides in the verify when its handles
-    come from the verify just before and its paths are short enough."""
-    from kernels.ssd_tree import COMMIT_STEPS
-
-    path, _, _ = models(arch, tmp_path_factory)
-    apart, fused = (HybridLM.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_slots=4, max_len=256)
-                    for _ in range(2))
-    for lm in (apart, fused):  # every batch size fuses here (by default from 4 sequences on)
-        lm.use_graphs(fuse_commits_from=1).capture_all()
-    taken, real = [], fused.graphs.gather_commit
-    fused.graphs.gather_commit = lambda *a: taken.append(real(*a)) or taken[-1]
-    rng = random.Random(14)
-    prompts = [random_prompt(rng, n, VOCAB) for n in (9, 30, 5)]
-    for lm in (apart, fused):
-        lm.prefill([lm.pool.alloc() for _ in prompts], prompts)
-    names = [n for n in ("ssm", "conv", "k", "v") if getattr(apart.pool, n, None) is not None]
-    pending = {}  # slot -> (apart's handle, fused's handle, path, which verify made them)
-    rode = 0
-    rounds = (((0, 1, 2), "random", 16), ((0, 1, 2), "chain", 7), ((1,), "bushy", 64), ((0, 1, 2), "deep", 40),
-              ((0, 2), "random", 4), ((0, 1, 2), "random", 16), ((0, 1, 2), "bushy", 32))
-    for n, (live, kind, size) in enumerate(rounds):
-        trees = [random_tree(rng, rng.randrange(1, VOCAB), size, kind) for _ in live]
-        commits = [pending.pop(s) for s in live if s in pending]
-        # handles of an older verify were copied out of the shared stash by the one after it
-        fits = all(c[3] == n - 1 and len(c[2]) <= COMMIT_STEPS for c in commits)
-        before = len(taken)
-        apart.commit([(a, p) for a, _, p, _ in commits])
-        ra = apart.verify(list(live), trees)
-        rf = fused.verify(list(live), trees, commits=[(f, p) for _, f, p, _ in commits])
-        torch.cuda.synchronize()
-        assert [t is not None for t in taken[before:]] == ([fits] if commits else []), kind
-        rode += bool(commits) and fits
-        for name in names:
-            assert torch.equal(getattr(apart.pool, name), getattr(fused.pool, name)), (kind, name)
-        torch.testing.assert_close(rf.logits, ra.logits, rtol=0, atol=2e-2, msg=kind)
-        for b, (s, t) in enumerate(zip(live, trees)):  # mostly paths short enough to ride
-            path_ = random_path(rng, t, None if b == 2 else COMMIT_STEPS)
-            pending[s] = (ra.pending[b], rf.pending[b], path_, n)
-    assert not fused.graphs.failures, fused.graphs.failures
-    assert rode >= 3, rode

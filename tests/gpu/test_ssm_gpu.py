@@ -123,47 +123,6 @@ def test_ancestor_bits_batches():
 
 @gpu
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("deferred_norm", [False, True])
-def test_tree_scan_with_a_fused_commit(shape, deferred_norm):
-    """The scan that first applies each tree's accepted path to its state (what a verify after a
-    commit runs): outputs and states against the twin, and against the commit kernel then the
-    scan; trees of one tile each, one of them without a path, one a lone tree of 16 nodes (the
-    split-headdim launch)."""
-    from kernels.ssm_commit import AcceptedPaths
-    from tests.kernels.test_ssd_tree import accepted_paths
-
-    for trees, lens in (([(64, "random"), (16, "bushy"), (1, "single"), (7, "chain"), (40, "deep")], [4, 0, 1, 2, 3]),
-                        ([(16, "random")], [4])):
-        args, _ = tree_case(trees, *SHAPES[shape], seed=9, dtype=torch.bfloat16, slots=len(trees) + 3)
-        paths = accepted_paths(args, lens, seed=10)
-        a = on(args, DEV)
-        paths = AcceptedPaths(*(t.to(DEV) for t in paths))
-        T, H, P = a["x"].shape
-        norm = dict(norm_weight=(torch.rand(H * P, device=DEV) + 0.5).to(torch.bfloat16), norm_eps=1e-5)
-        scan, twin = ((tree_ssd_scan_deferred_norm, tree_ssd_scan_deferred_norm_ref) if deferred_norm
-                      else (tree_ssd_scan, tree_ssd_scan_ref))
-        extra = norm if deferred_norm else {}
-        pools = [a["ssm_state"].clone() for _ in range(3)]
-        fused = scan(**{**a, "ssm_state": pools[0]}, **extra, commit=paths)
-        ref = twin(**{**a, "ssm_state": pools[1]}, **extra, commit=paths)
-        K = max(lens)
-        rows = (paths.start.long()[:, None] + torch.arange(K, device=DEV)[None, :]).clamp(max=paths.x.shape[0] - 1)
-        ssm_state_commit(pools[2], a["slot_idx"], paths.x, paths.dt, paths.B, rows, paths.length, a["A"],
-                         a["dt_bias"], a["dt_limit"])
-        apart = scan(**{**a, "ssm_state": pools[2]}, **extra)
-        if deferred_norm:
-            (fused, f_sums), (ref, _), (apart, a_sums) = fused, ref, apart
-            torch.testing.assert_close(f_sums.rstd(), a_sums.rstd(), rtol=8e-3, atol=0)
-        assert_close(fused, ref, BF16_TOL, "fused vs twin")
-        assert_close(pools[0], pools[1], 1e-5, "fused state vs twin")
-        # the same arithmetic as the commit kernel, step for step: the same bits; the scan after it
-        # runs in other tiles (a commit gets its own launch shape), so its sums are grouped otherwise
-        assert torch.equal(pools[0], pools[2]), "fused state vs the commit kernel"
-        assert_close(fused, apart, BF16_TOL, "fused vs the commit kernel then the scan")
-
-
-@gpu
-@pytest.mark.parametrize("shape", SHAPES)
 def test_tree_scan_fp32_activations(shape):
     args, lists = tree_case([(64, "random"), (5, "star")], *SHAPES[shape], seed=2, slots=3)
     a = on(args, DEV)
@@ -267,7 +226,6 @@ def test_kernels_compile_for_h100():
         pytest.skip("records launches from interpreted runs (TRITON_INTERPRET=1); CUDA runs compile anyway")
     from kernels import ssd_prefill as prefill_mod
     from kernels import ssd_tree, ssm_commit, ssm_decode, tree_struct
-    from tests.kernels.test_ssd_tree import accepted_paths
 
     def run():
         for P in (64, 128):
@@ -285,12 +243,6 @@ def test_kernels_compile_for_h100():
         for n in (16, 64):  # a Mamba2 verify: the gated norm less its scale in the epilogue
             args, _ = tree_case([(n, "random")], 1, 64, 128, 1, seed=8, dtype=torch.bfloat16)
             tree_ssd_scan_deferred_norm(**args, norm_weight=torch.ones(64, dtype=torch.bfloat16), norm_eps=1e-5)
-            # ... after a commit: the previous tree's path applied to each state tile first
-            tree_ssd_scan_deferred_norm(**args, norm_weight=torch.ones(64, dtype=torch.bfloat16), norm_eps=1e-5,
-                                        commit=accepted_paths(args, [3], seed=8))
-        for P in (64, 128):  # whole d_state (one-tile trees, narrow headdim) and 64-wide chunks
-            args, _ = tree_case([(16, "random"), (16, "bushy")], 1, P, 128, 1, seed=8, dtype=torch.bfloat16)
-            tree_ssd_scan(**args, commit=accepted_paths(args, [2, 4], seed=8))
         args, _ = tree_case([(20, "random")], 1, 64, 128, 1, seed=8)  # fp32 activations: tf32x3 dots
         tree_ssd_scan(**args)
         ssd_prefill(**prefill_case(70, 1, 64, 128, 1, seed=8))

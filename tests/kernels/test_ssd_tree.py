@@ -4,23 +4,14 @@ import torch
 
 from kernels import ssm_common
 from kernels.ssd_tree import (
-    COMMIT_STEPS,
     tree_ssd_scan,
     tree_ssd_scan_deferred_norm,
     tree_ssd_scan_deferred_norm_ref,
     tree_ssd_scan_ref,
 )
-from kernels.ssm_commit import AcceptedPaths, commit_accepted_paths_ref
 from kernels.ssm_decode import ssm_chain_update
 from tests.kernels import tree_cases
-from tests.kernels.ssm_oracle import (
-    assert_close,
-    nan_output,
-    oracle_commit,
-    oracle_tree,
-    tree_case,
-    untouched_slots,
-)
+from tests.kernels.ssm_oracle import assert_close, nan_output, oracle_tree, tree_case
 
 
 @pytest.fixture(autouse=True)
@@ -183,122 +174,3 @@ def test_deferred_norm_refuses_what_it_cannot_do():
         tree_ssd_scan_deferred_norm(**args, norm_weight=weight[:31], norm_eps=1e-5)
     with pytest.raises(ValueError, match="z"):
         tree_ssd_scan_deferred_norm(**dict(args, z=None), norm_weight=weight, norm_eps=1e-5)
-
-
-# ---- a commit fused into the scan ------------------------------------------------------------------
-
-def accepted_paths(args: dict, lens: list[int], seed: int, dtype=None):
-    """AcceptedPaths for the trees of `args`, one path of lens[b] steps each (0: none), on rows of
-    their own per-node inputs laid out as a gathered stash: path b from a random start, the rows
-    between and after paths NaN, so a read past a path shows."""
-    gen = torch.Generator().manual_seed(seed)
-    x, B = args["x"], args["B"]
-    dtype = dtype or x.dtype
-    H, P = x.shape[1:]
-    G, N = B.shape[1:]
-    starts, row = [], 1
-    for n in lens:
-        starts.append(row)
-        row += n + 1  # a NaN row after every path
-    R = row + 1
-    used = torch.zeros(R, dtype=torch.bool)
-    for s, n in zip(starts, lens):
-        used[s : s + n] = True
-
-    def stashed(t):
-        return t.masked_fill(~used.reshape(R, *([1] * (t.dim() - 1))), float("nan")).to(dtype)
-
-    return AcceptedPaths(
-        torch.tensor(starts, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
-        stashed(torch.randn(R, H, P, generator=gen)), stashed(torch.randn(R, H, generator=gen) - 1.0),
-        stashed(torch.randn(R, G, N, generator=gen)),
-    )
-
-
-def committed_oracle(args: dict, paths: AcceptedPaths) -> torch.Tensor:
-    """The state pool once every tree's path is applied (float64 sequential recurrence)."""
-    rows = paths.start.long()[:, None] + torch.arange(max(1, int(paths.length.max())))[None, :]
-    rows = rows.clamp(max=paths.x.shape[0] - 1)
-    commit = dict(ssm_state=args["ssm_state"], slot_idx=args["slot_idx"], x=paths.x, dt=paths.dt, B=paths.B,
-                  rows=rows, path_len=paths.length, A=args["A"], dt_bias=args["dt_bias"], dt_limit=args["dt_limit"])
-    pool = args["ssm_state"].double().clone()
-    pool[args["slot_idx"].long()] = oracle_commit(commit)
-    return pool
-
-
-def check_fused_commit(args, lists, lens, seed, tol, paths_dtype=None, **knobs):
-    """tree_ssd_scan(commit=paths) against the float64 oracle of the commit then the scan, and
-    against its twin: the same outputs, the same states, and no other slot touched (a tree with an
-    empty path keeps its state bit for bit)."""
-    paths = accepted_paths(args, lens, seed, paths_dtype)
-    pool = args["ssm_state"]
-    want_state = committed_oracle(args, paths)
-    want_y = oracle_tree(dict(args, ssm_state=want_state.float()), lists)
-    ref_pool, tri_pool = pool.clone(), pool.clone()
-    y_ref = tree_ssd_scan_ref(**dict(args, ssm_state=ref_pool), commit=paths)
-    y = tree_ssd_scan(**dict(args, ssm_state=tri_pool), commit=paths, **knobs)
-    assert_close(y_ref, want_y, tol, "reference vs oracle")
-    assert_close(y, want_y, tol, "triton vs oracle")
-    assert_close(y, y_ref, tol, "triton vs reference")
-    assert_close(ref_pool, want_state, 1e-5, "reference state vs oracle")
-    assert_close(tri_pool, want_state, 1e-5, "triton state vs oracle")
-    slots = args["slot_idx"].long()
-    for b, n in enumerate(lens):
-        if n == 0:
-            assert torch.equal(tri_pool[slots[b]], pool[slots[b]]), f"tree {b} has no path: its state must stay"
-    others = untouched_slots(pool, args["slot_idx"])
-    assert torch.equal(tri_pool[others], pool[others]), "slots outside the batch must not change"
-
-
-@pytest.mark.parametrize("kind", tree_cases.KINDS)
-def test_fused_commit_every_tree_kind(kind):
-    k = tree_cases.KINDS.index(kind)
-    spec = [(11 + 3 * k, kind), (1, "single"), (5 + k, "random")]
-    args, lists = tree_case(spec, *SHAPES[k % len(SHAPES)], seed=60 + k)
-    check_fused_commit(args, lists, [3, 0, 1 + k % 4], seed=k, tol=1e-4)
-
-
-@pytest.mark.parametrize("block_p", [None, 16, 64])
-def test_fused_commit_state_in_chunks_and_split_heads(block_p):
-    """d_state 80: whole (the launch a commit gets by default, narrow headdim tiles), or with wide
-    headdim tiles (block_p 64) in 64-wide chunks, each chunk's tile advanced on its own; block_p 16
-    splits the 24-wide heads over two programs."""
-    args, lists = tree_case([(16, "bushy"), (6, "chain")], 2, 24, 80, 1, seed=70)
-    check_fused_commit(args, lists, [4, 2], seed=71, tol=1e-4, block_p=block_p)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_fused_commit_half_precision(dtype):
-    args, lists = tree_case([(10, "random"), (6, "bushy")], 2, 16, 32, 2, seed=72, dtype=dtype)
-    check_fused_commit(args, lists, [4, 1], seed=73, tol=2e-2 if dtype == torch.bfloat16 else 4e-3)
-
-
-def test_fused_commit_with_the_deferred_norm():
-    args, lists = tree_case([(12, "deep"), (1, "single"), (7, "star")], 4, 16, 32, 2, seed=74)
-    paths = accepted_paths(args, [2, 1, 0], seed=75)
-    T, H, P = args["x"].shape
-    weight, eps = torch.rand(H * P, generator=torch.Generator().manual_seed(76)) + 0.5, 1e-5
-    pools = [args["ssm_state"].clone() for _ in range(3)]
-    u, sums = tree_ssd_scan_deferred_norm(**dict(args, ssm_state=pools[0]), norm_weight=weight, norm_eps=eps,
-                                          commit=paths)
-    u_ref, sums_ref = tree_ssd_scan_deferred_norm_ref(**dict(args, ssm_state=pools[1]), norm_weight=weight,
-                                                      norm_eps=eps, commit=paths)
-    assert_close(u, u_ref, 1e-5, "triton vs twin u")
-    assert_close(sums.rstd(), sums_ref.rstd(), 1e-5, "triton vs twin rstd")
-    assert_close(pools[0], pools[1], 1e-6, "triton vs twin state")
-    # the same as committing first, then scanning the committed pool
-    commit_accepted_paths_ref(pools[2], args["slot_idx"], paths, args["A"], args["dt_bias"], args["dt_limit"])
-    u_after, _ = tree_ssd_scan_deferred_norm_ref(**dict(args, ssm_state=pools[2]), norm_weight=weight, norm_eps=eps)
-    assert torch.equal(u_ref, u_after) and torch.equal(pools[1], pools[2])
-
-
-def test_fused_commit_twin_refuses_paths_longer_than_the_kernel_takes():
-    args, _ = tree_case([(9, "chain"), (6, "random")], 1, 16, 16, 1, seed=79)
-    with pytest.raises(ValueError, match=f"at most {COMMIT_STEPS}"):
-        tree_ssd_scan_ref(**args, commit=accepted_paths(args, [COMMIT_STEPS + 1, 1], seed=80))
-
-
-def test_fused_commit_refuses_trees_taller_than_a_tile():
-    args, _ = tree_case([(70, "deep")], 1, 16, 16, 1, seed=77)
-    with pytest.raises(ValueError, match="at most 64 nodes"):
-        tree_ssd_scan(**args, commit=accepted_paths(args, [3], seed=78))

@@ -4,7 +4,6 @@ unchanged."""
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,8 +11,7 @@ import torch
 from models import HybridLM
 from models.graphs import GraphRunner
 from tests.models.hf_zoo import hf_logits, random_prompt
-from kernels.ssd_tree import COMMIT_STEPS
-from tests.models.trees import random_path, random_tree
+from tests.models.trees import random_tree
 
 
 def _pair(path):
@@ -121,134 +119,3 @@ def test_graph_commit_is_the_eager_commit_bit_for_bit(saved, arch):
             assert torch.equal(t, eager[name]), name
         assert all(p.consumed for p, _ in items)
         assert [lm.pool.length(s) for s in slots] == [n + len(p) for n, p in zip(lengths, paths)]
-
-
-def _spy(runner, name: str) -> list:
-    """Record what `runner.<name>` returns, calls passing through."""
-    seen, real = [], getattr(runner, name)
-
-    def spy(*a, **k):
-        seen.append(real(*a, **k))
-        return seen[-1]
-
-    setattr(runner, name, spy)
-    return seen
-
-
-@pytest.mark.parametrize("arch", ["bamba", "falcon_h1", "zamba2", "mamba2"])
-def test_commit_fused_into_the_verify_is_commit_then_verify(saved, arch):
-    """verify(commits=) against commit then verify, round after round, on two copies of a model:
-    the same logits and every state the same to the bit. The fused path is taken where it applies;
-    where it does not (a commit of a slot the verify leaves out, a tree past the buckets, handles
-    copied out of the shared stash by a second verify) the commit runs on its own first."""
-    path, model = saved(arch)
-    apart, fused = (HybridLM.from_pretrained(path, max_slots=4, max_len=64) for _ in range(2))
-    for lm in (apart, fused):
-        # commits ride in verifies of every batch size here (by default from 4 sequences on)
-        lm.graphs = GraphRunner(lm, node_buckets=(4, 8), capture=False, fuse_commits_from=1)
-        # as the verifier does at start-up: a verify bucket captured later copies live handles' rows
-        # out of the stash first, and their commit then runs on its own
-        lm.graphs.capture_all()
-    gathered = _spy(fused.graphs, "gather_commit")
-    rng = random.Random(10)
-    prompts = [random_prompt(rng, n) for n in (5, 7, 4)]
-    for lm in (apart, fused):
-        lm.prefill([lm.pool.alloc() for _ in prompts], prompts)
-    seqs = [list(p) for p in prompts]
-    pending = {}  # slot -> (apart's handle, fused's handle, tree, path)
-    fused_rounds = 0
-    # (slots verified, tree kind, whether the commit rides in the verify)
-    rounds = [((0, 1, 2), "random", True), ((0, 1, 2), "chain", True), ((0, 2), "star", False),
-              ((0, 1, 2), "bushy", True), ((1, 2), "copied", False), ((0, 1, 2), "random", True),
-              ((0, 1, 2), "big", False),
-              ((0, 1, 2), "deep", False), ((0, 1, 2), "chain", True)]  # "deep": handles of an eager verify
-    for live, kind, fits in rounds:
-        if kind == "big":  # one 10-node tree: past the buckets, an eager verify
-            trees = [random_tree(rng, rng.randrange(1, 96), 10 if s == 0 else 3, "random") for s in live]
-        else:
-            shape = "random" if kind == "copied" else kind
-            trees = [random_tree(rng, rng.randrange(1, 96), rng.choice([1, 3, 4, 6, 8]), shape) for _ in live]
-        if kind == "copied":  # a verify in between: the pending handles' rows are copied out of the stash
-            between = random_tree(rng, 5, 4, "random")
-            for lm in (apart, fused):
-                lm.verify([0], [between])
-        # every pending commit goes with this verify, also one of a slot it leaves out ("star")
-        commits = list(pending.values())
-        pending.clear()
-        before = len(gathered)
-        apart.commit([(a, p) for a, _, _, p in commits])
-        ra = apart.verify(list(live), trees)
-        rf = fused.verify(list(live), trees, commits=[(f, p) for _, f, _, p in commits])
-        # paths longer than the scan takes are committed on their own too
-        fits = fits and all(len(p) <= COMMIT_STEPS for *_, p in commits)
-        assert [g is not None for g in gathered[before:]] == ([fits] if commits else []), kind
-        fused_rounds += fits
-        assert all(f.consumed for _, f, _, _ in commits)
-        assert ra.offsets == rf.offsets
-        assert torch.equal(ra.logits, rf.logits), kind
-        for name, t in _state(apart.pool).items():
-            assert torch.equal(t, getattr(fused.pool, name)), (kind, name)
-        assert apart.pool._lengths == fused.pool._lengths
-        for a, _, t, p in commits:
-            seqs[a.slot] += t.tokens_along(p)
-        for b, (s, t) in enumerate(zip(live, trees)):
-            # mostly short paths, which ride in the verify; every third round any path
-            pending[s] = (ra.pending[b], rf.pending[b], t, random_path(rng, t, None if b == 2 else COMMIT_STEPS))
-    assert fused_rounds >= 3, fused_rounds
-    fused.commit([(f, p) for _, f, _, p in pending.values()])
-    for s, (a, _, t, p) in pending.items():
-        seqs[s] += t.tokens_along(p)
-    toks = [3, 4, 5]
-    out = fused.decode([0, 1, 2], toks)
-    for q in range(3):
-        ref = hf_logits(model, seqs[q] + [toks[q]])[-1]
-        assert (out[q] - ref).abs().max() < 1e-4
-
-
-def test_a_bad_commit_or_tree_changes_nothing(saved):
-    """verify(commits=) checks the commits and the trees before any state changes."""
-    from models.errors import StaleHandle
-
-    path, _ = saved("bamba")
-    lm = HybridLM.from_pretrained(path, max_slots=3, max_len=64)
-    lm.graphs = GraphRunner(lm, node_buckets=(4, 8), capture=False)
-    rng = random.Random(11)
-    slots = [lm.pool.alloc() for _ in range(2)]
-    lm.prefill(slots, [random_prompt(rng, 5), random_prompt(rng, 6)])
-    trees = [random_tree(rng, 7, 6, "random") for _ in slots]
-    res = lm.verify(slots, trees)
-    items = [(res.pending[b], trees[b].path_to(5)) for b in range(2)]
-    before, lengths = _state(lm.pool), list(lm.pool._lengths)
-
-    def unchanged():
-        assert lm.pool._lengths == lengths and not any(p.consumed for p, _ in items)
-        for name, t in _state(lm.pool).items():
-            assert torch.equal(t, before[name]), name
-
-    with pytest.raises(ValueError, match="malformed tree"):
-        lm.verify(slots, [trees[0], SimpleNamespace(tokens=(4, 5), parents=(0, 0))], commits=items)
-    unchanged()
-    with pytest.raises(ValueError, match="not a root-down branch"):
-        lm.verify(slots, trees, commits=[items[0], (res.pending[1], [0, 3, 1])])
-    unchanged()
-    lm.verify(slots, trees, commits=items)
-    with pytest.raises(StaleHandle):
-        lm.verify(slots, trees, commits=items)
-
-
-def test_by_default_commits_ride_only_in_verifies_of_several_sequences(saved):
-    path, _ = saved("mamba2")
-    lm = HybridLM.from_pretrained(path, max_slots=8, max_len=64)
-    lm.graphs = GraphRunner(lm, node_buckets=(4, 8, 128), capture=False)
-    lm.graphs.capture_all()
-    taken = _spy(lm.graphs, "gather_commit")
-    rng = random.Random(13)
-    slots = [lm.pool.alloc() for _ in range(5)]
-    lm.prefill(slots, [random_prompt(rng, 4) for _ in slots])
-    res = None
-    for live in ([0], [0], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [0, 1, 2], [0, 1, 2]):
-        trees = [random_tree(rng, 5, 6, "bushy") for _ in live]
-        commits = [(res.pending[b], random_path(rng, last[b], 3)) for b in live if res and b < len(last)]
-        res, last = lm.verify(live, trees, commits=commits), trees
-    # one sequence: on its own; five (bucket 8) and three (bucket 4): in the verify
-    assert [t is not None for t in taken] == [False, True, True, True, True]

@@ -52,10 +52,3 @@ def greedy_walk(tree: TokenTree, argmax: list[int]) -> tuple[list[int], int]:
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     return logits.argmax(-1).tolist()
-
-
-def random_path(rng: random.Random, tree: TokenTree, max_len: int | None = None) -> list[int]:
-    """The root-down path to a random node of `tree`, of at most `max_len` nodes when given."""
-    depth = tree.depths()
-    nodes = [i for i in range(tree.size) if max_len is None or depth[i] < max_len]
-    return tree.path_to(rng.choice(nodes))

@@ -7,7 +7,10 @@ Rows, per shape (Mamba2-2.7B and the 8B hybrid's Mamba2 layers, DESIGN.md §9; t
 groups, which its conv width of 6144 implies):
 - `tree_conv1d`: the verify's tree conv as the model runs it, keeping the raw xBC | dt and
   writing its output into the stash rows of its layer;
-- `tree_ssd_scan`: the verify's tree scan with its gate, ancestor bits passed in;
+- `tree_ssd_scan`: the verify's tree scan with its gate, ancestor bits passed in, in the launch the
+  scan picks (persistent programs from two items per SM on) and with one program per tile;
+- `tree_ssd_scan_deferred_norm`: the same with the gated norm less its scale (what a Mamba2 verify
+  runs), both launches;
 - `ssm_state_commit` and `conv_state_commit`: a commit of paths of 1-4 accepted nodes of every
   Mamba2 layer in one launch, reading the stash rows in place as the model's commit does, reported
   per layer;
@@ -29,7 +32,7 @@ import triton
 
 from bench.ssm_kernels import Report, Timer, layer, randn, start
 from kernels.conv_tree import conv_state_commit, tree_conv1d
-from kernels.ssd_tree import tree_ssd_scan
+from kernels.ssd_tree import tree_ssd_scan, tree_ssd_scan_deferred_norm
 from kernels.ssm_commit import ssm_state_commit
 from kernels.ssm_decode import ssm_chain_update
 from kernels.tree_struct import ancestor_bits
@@ -100,6 +103,16 @@ def bench_shape(shape: str, batches, timer: Timer, rep: Report, sweep: bool, see
         us = timer(lambda: tree_ssd_scan(**scan_args, ancestors=bits)) if "scan" in kernels else None
         if us is not None:
             rep.add(shape, "tree_ssd_scan", nb, NODES, us, nbytes)
+            one = timer(lambda: tree_ssd_scan(**scan_args, ancestors=bits, programs_per_sm=0))
+            rep.add(shape, "scan, one program per tile", nb, NODES, one, nbytes, x_default=round(one / us, 3))
+            # what a Mamba2 verify runs: the gated norm less its scale in the epilogue
+            w = randn(gen, d_inner)
+            norm_us = {ppsm: timer(lambda: tree_ssd_scan_deferred_norm(**scan_args, norm_weight=w, norm_eps=1e-5,
+                                                                       ancestors=bits, programs_per_sm=ppsm))
+                       for ppsm in (None, 0)}
+            rep.add(shape, "tree_ssd_scan_deferred_norm", nb, NODES, norm_us[None], nbytes)
+            rep.add(shape, "deferred norm, one program per tile", nb, NODES, norm_us[0], nbytes,
+                    x_default=round(norm_us[0] / norm_us[None], 3))
         for bp, bn, warps, regs in [c for c in SCAN_SWEEP if c[0] <= P] if sweep and us is not None else ():
             cfg = timer(lambda: tree_ssd_scan(**scan_args, ancestors=bits, block_p=bp, block_n=bn, num_warps=warps,
                                               maxnreg=regs))

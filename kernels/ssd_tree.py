@@ -13,6 +13,11 @@ Bamba layers, whose out_proj has no bias): u_i = w * (y_i * silu(z_i)) and one p
 of y_i * silu(z_i) per program and node, which the residual add after out_proj turns into the rstd
 (`kernels.norms.SumOfSquares`), as the fused decode step does. That saves a verify the gated norm's
 own launch, which had to wait for the whole scan.
+
+Two launches: one program per (tree x row tile, head, headdim tile) (`_tree_ssd_kernel`, every tree
+size), and for serving batches of trees of up to 16 nodes a persistent one whose programs take those
+items in turn with the next item's loads pipelined (`_tree_ssd_persistent_kernel`; the rule is
+`persistent_programs_per_sm`). Both run the same per-tile arithmetic (`_diagonal_block`, `_store_rows`).
 """
 from __future__ import annotations
 
@@ -178,71 +183,48 @@ def _decay(m, dacs_rows, dacs_cols):
     return tl.where(m, tl.exp(tl.minimum(seg, 0.0)), 0.0)
 
 
-@triton.jit
-def _tree_ssd_kernel(
-    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, bias_ptr, state_ptr, z_ptr, y_ptr,
-    anc_ptr, cu_ptr, slot_ptr, nw_ptr, part_ptr,
-    heads_per_group, dt_lo, dt_hi,
-    sx_t, sx_h, sx_p, sdt_t, sdt_h, sb_t, sb_g, sb_n, sc_t, sc_g, sc_n,
-    ss_s, ss_h, ss_p, ss_n, sz_t, sz_h, sz_p, sy_t, sy_h, sy_p, sa_t, s_part,
-    P: tl.constexpr, N: tl.constexpr,
-    ROW_TILES: tl.constexpr, BI: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DEFER_NORM: tl.constexpr, PREC: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One program per (tree x row tile, head, headdim tile); rows are this tile's nodes. With
-    DEFER_NORM (and z), y is rounded to x's dtype, gated, and stored as w * gated in y's dtype, with
-    each row's sum of gated squares at column h * N_PT + pt of part_ptr."""
-    release_next(PDL)
-    pid0 = tl.program_id(0)
-    tree = pid0 // ROW_TILES
-    rt = pid0 % ROW_TILES
-    h = tl.program_id(1)
-    pt = tl.program_id(2)
-    offs_p = pt * BP + tl.arange(0, BP)
-    p_ok = offs_p < P
-    offs_n = tl.arange(0, BN)
-    if ROW_TILES == 1 and BN >= N:
-        # A one-tile tree reads its committed state in one piece. Nothing in a verify step writes the
-        # state pool (commits come after), so under PDL the read, the bulk of the scan's bytes at
-        # small trees, runs while the kernel before finishes, as the fused decode step's does.
-        h0_whole = tl.load(state_ptr + tl.load(slot_ptr + tree).to(tl.int64) * ss_s + h * ss_h
-                           + offs_p[:, None] * ss_p + offs_n[None, :] * ss_n,
-                           mask=p_ok[:, None] & (offs_n < N)[None, :], other=0.0)
-    wait_for_previous(PDL)  # every input below but the state may come from the kernel before
-    start = tl.load(cu_ptr + tree)
-    n = tl.load(cu_ptr + tree + 1) - start
-    row0 = rt * BI
-    if row0 >= n:
-        return
-    g = h // heads_per_group
-    slot = tl.load(slot_ptr + tree).to(tl.int64)
-    A = tl.load(A_ptr + h).to(tl.float32)
-    bias = tl.load(bias_ptr + h).to(tl.float32)
+# How `_diagonal_block` gets the committed state of a one-tile tree: read by the caller before the
+# PDL wait (whole d_state), read here (in d_state chunks, or whole), or not at all (taller trees
+# fetch it after their lower blocks, to keep registers free).
+STATE_GIVEN, STATE_LOADED, STATE_LATER = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
+
+@triton.jit
+def _diagonal_block(x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, anc_ptr, st, h0_whole,
+                    start, n, row0, rt, h, g, A, bias, dt_lo, dt_hi, offs_p, p_ok,
+                    sx_t, sx_h, sx_p, sdt_t, sdt_h, sb_t, sb_g, sb_n, sc_t, sc_g, sc_n, ss_p, ss_n, sz_t, sz_h, sz_p,
+                    sa_t, N: tl.constexpr, ROW_TILES: tl.constexpr, BI: tl.constexpr, BP: tl.constexpr,
+                    BN: tl.constexpr, STATE: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+                    PREC: tl.constexpr):
+    """Row tile `rt` (rows row0 .. row0 + BI) of one tree, one head and headdim tile: its diagonal
+    block, and for one-tile trees the committed-state term. `st` points at the head's state (P, N)
+    in its slot. Returns (acc (BI, BP) fp32: the diagonal block's y plus the D skip, ch (BI, BP):
+    C_i . h0 (zeros with STATE_LATER), dacs_i (BI,) fp64 path sums, z_rows (BI, BP) fp32 (x_rows
+    without HAS_Z), tok_i (BI,) packed rows, row_ok (BI,), io_mask (BI, BP))."""
     offs_i = row0 + tl.arange(0, BI)
     row_ok = offs_i < n
     tok_i = start + offs_i  # int32 offsets: packed activations stay far below 2**31 elements
+    offs_n = tl.arange(0, BN)
 
     # Every input of the diagonal block is loaded before any arithmetic, so that the loads can
     # overlap: at small batches the kernel's time is its chain of dependent memory round trips, not
     # bandwidth. (The compiler still stages C, B and h0 into shared memory one after the other;
     # asynchronous copies, which do not, were no faster at 64 nodes: BENCHMARKS.md fifth round.)
     # C_i . B_j of the diagonal block (its columns are this tile's own nodes) and, for one-tile trees,
-    # the committed-state term C_i . h0 share one pass over d_state (one chunk for one-tile trees).
-    # Taller trees fetch h0 after the lower blocks, to keep registers free.
+    # the committed-state term C_i . h0 share one pass over d_state.
     io_mask = row_ok[:, None] & p_ok[None, :]
     x_rows = tl.load(x_ptr + tok_i[:, None] * sx_t + h * sx_h + offs_p[None, :] * sx_p,
                      mask=io_mask, other=0.0).to(tl.float32)
     if HAS_Z:
         z_rows = tl.load(z_ptr + tok_i[:, None] * sz_t + h * sz_h + offs_p[None, :] * sz_p,
                          mask=io_mask, other=0.0).to(tl.float32)
+    else:
+        z_rows = x_rows
     # the diagonal block's columns are the rows themselves: its ancestor tile and dt serve both the
     # path sums and the diagonal decay. dt is activated after the d_state pass is issued: its
     # reduction would otherwise hold back the loads behind it.
     dt_raw, dt_ok = _node_dt_raw(dt_ptr, sdt_t, sdt_h, start, n, row0, h, BI)
     m_diag = _ancestor_tile(anc_ptr, sa_t, tok_i, row_ok, row0, BI)
-    st = state_ptr + slot * ss_s + h * ss_h
     ch = tl.zeros([BI, BP], dtype=tl.float32)
     cb_diag = tl.zeros([BI, BI], dtype=tl.float32)
     for n0 in tl.static_range(0, N, BN):
@@ -252,12 +234,11 @@ def _tree_ssd_kernel(
                     mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
         b = tl.load(B_ptr + tok_i[:, None] * sb_t + g * sb_g + nn[None, :] * sb_n,
                     mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-        if ROW_TILES == 1:
-            if BN >= N:
-                h0 = h0_whole
-            else:
-                h0 = tl.load(st + offs_p[:, None] * ss_p + nn[None, :] * ss_n,
-                             mask=p_ok[:, None] & n_ok[None, :], other=0.0)
+        if STATE == STATE_GIVEN:
+            ch += tl.dot(c, tl.trans(h0_whole), input_precision=PREC)
+        elif STATE == STATE_LOADED:
+            h0 = tl.load(st + offs_p[:, None] * ss_p + nn[None, :] * ss_n,
+                         mask=p_ok[:, None] & n_ok[None, :], other=0.0)
             ch += tl.dot(c, tl.trans(h0), input_precision=PREC)
         cb_diag += tl.dot(c, tl.trans(b), input_precision=PREC)
     dt_i = _activated(dt_raw, dt_ok, bias, dt_lo, dt_hi)
@@ -270,6 +251,80 @@ def _tree_ssd_kernel(
     acc = tl.dot(decay * cb_diag, x_rows * dt_i[:, None], input_precision=PREC)
     if HAS_D:  # added now so x_rows need not stay live
         acc += tl.load(D_ptr + h).to(tl.float32) * x_rows
+    return acc, ch, dacs_i, z_rows, tok_i, row_ok, io_mask
+
+
+@triton.jit
+def _store_rows(y, z_rows, io_mask, tok_i, row_ok, h, pt, offs_p, p_ok, x_ptr, y_ptr, sy_t, sy_h, sy_p, nw_ptr,
+                part_ptr, s_part, P: tl.constexpr, BP: tl.constexpr, HAS_Z: tl.constexpr, DEFER_NORM: tl.constexpr):
+    """Store a tile's scan output y (BI, BP) fp32: gated (HAS_Z), or with DEFER_NORM rounded to x's
+    dtype, gated, stored as w * gated in y's dtype, with each row's sum of gated squares at column
+    h * N_PT + pt of part_ptr."""
+    if DEFER_NORM:
+        # rounded where the unfused path rounds: the scan's output in x's dtype, the gated value in
+        # the output's, then the product with the weight
+        gated = tl.where(io_mask, y.to(x_ptr.dtype.element_ty).to(tl.float32) * silu(z_rows), 0.0)
+        w = tl.load(nw_ptr + h * P + offs_p, mask=p_ok, other=0.0).to(tl.float32)
+        y = w[None, :] * gated.to(y_ptr.dtype.element_ty).to(tl.float32)
+        N_PT: tl.constexpr = (P + BP - 1) // BP
+        tl.store(part_ptr + tok_i * s_part + h * N_PT + pt, tl.sum(gated * gated, axis=1), mask=row_ok)
+    elif HAS_Z:
+        y *= silu(z_rows)
+    tl.store(y_ptr + tok_i[:, None] * sy_t + h * sy_h + offs_p[None, :] * sy_p,
+             y.to(y_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _tree_ssd_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, bias_ptr, state_ptr, z_ptr, y_ptr,
+    anc_ptr, cu_ptr, slot_ptr, nw_ptr, part_ptr,
+    heads_per_group, dt_lo, dt_hi,
+    sx_t, sx_h, sx_p, sdt_t, sdt_h, sb_t, sb_g, sb_n, sc_t, sc_g, sc_n,
+    ss_s, ss_h, ss_p, ss_n, sz_t, sz_h, sz_p, sy_t, sy_h, sy_p, sa_t, s_part,
+    P: tl.constexpr, N: tl.constexpr,
+    ROW_TILES: tl.constexpr, BI: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    STATE: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DEFER_NORM: tl.constexpr, PREC: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One program per (tree x row tile, head, headdim tile); rows are this tile's nodes. STATE:
+    how the committed state is read (STATE_GIVEN: one-tile trees with d_state whole, before the PDL
+    wait; STATE_LOADED: one-tile trees, in chunks; STATE_LATER: taller trees). Outputs as
+    `_store_rows` writes them."""
+    release_next(PDL)
+    pid0 = tl.program_id(0)
+    tree = pid0 // ROW_TILES
+    rt = pid0 % ROW_TILES
+    h = tl.program_id(1)
+    pt = tl.program_id(2)
+    offs_p = pt * BP + tl.arange(0, BP)
+    p_ok = offs_p < P
+    offs_n = tl.arange(0, BN)
+    if STATE == STATE_GIVEN:
+        # A one-tile tree reads its committed state in one piece. Nothing in a verify step writes the
+        # state pool (commits come after), so under PDL the read, the bulk of the scan's bytes at
+        # small trees, runs while the kernel before finishes, as the fused decode step's does.
+        h0_whole = tl.load(state_ptr + tl.load(slot_ptr + tree).to(tl.int64) * ss_s + h * ss_h
+                           + offs_p[:, None] * ss_p + offs_n[None, :] * ss_n,
+                           mask=p_ok[:, None] & (offs_n < N)[None, :], other=0.0)
+    else:
+        h0_whole = 0.0  # not read
+    wait_for_previous(PDL)  # every input below but the state may come from the kernel before
+    start = tl.load(cu_ptr + tree)
+    n = tl.load(cu_ptr + tree + 1) - start
+    row0 = rt * BI
+    if row0 >= n:
+        return
+    g = h // heads_per_group
+    slot = tl.load(slot_ptr + tree).to(tl.int64)
+    A = tl.load(A_ptr + h).to(tl.float32)
+    bias = tl.load(bias_ptr + h).to(tl.float32)
+
+    st = state_ptr + slot * ss_s + h * ss_h
+    acc, ch, dacs_i, z_rows, tok_i, row_ok, io_mask = _diagonal_block(
+        x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, anc_ptr, st, h0_whole,
+        start, n, row0, rt, h, g, A, bias, dt_lo, dt_hi, offs_p, p_ok,
+        sx_t, sx_h, sx_p, sdt_t, sdt_h, sb_t, sb_g, sb_n, sc_t, sc_g, sc_n, ss_p, ss_n, sz_t, sz_h, sz_p, sa_t,
+        N, ROW_TILES, BI, BP, BN, STATE, HAS_D, HAS_Z, PREC)
 
     for k in range(0, rt):  # blocks below the diagonal (trees taller than one tile)
         j0 = k * BI
@@ -301,50 +356,83 @@ def _tree_ssd_kernel(
             h0 = tl.load(st + offs_p[:, None] * ss_p + nn[None, :] * ss_n,
                          mask=p_ok[:, None] & n_ok[None, :], other=0.0)
             ch += tl.dot(c, tl.trans(h0), input_precision=PREC)
-    y = acc + tl.exp(tl.minimum(dacs_i.to(tl.float32), 0.0))[:, None] * ch
-    if DEFER_NORM:
-        # rounded where the unfused path rounds: the scan's output in x's dtype, the gated value in
-        # the output's, then the product with the weight
-        gated = tl.where(io_mask, y.to(x_ptr.dtype.element_ty).to(tl.float32) * silu(z_rows), 0.0)
-        w = tl.load(nw_ptr + h * P + offs_p, mask=p_ok, other=0.0).to(tl.float32)
-        y = w[None, :] * gated.to(y_ptr.dtype.element_ty).to(tl.float32)
-        N_PT: tl.constexpr = (P + BP - 1) // BP
-        tl.store(part_ptr + tok_i * s_part + h * N_PT + pt, tl.sum(gated * gated, axis=1), mask=row_ok)
-    elif HAS_Z:
-        y *= silu(z_rows)
-    tl.store(y_ptr + tok_i[:, None] * sy_t + h * sy_h + offs_p[None, :] * sy_p,
-             y.to(y_ptr.dtype.element_ty), mask=io_mask)
+    _store_rows(acc + tl.exp(tl.minimum(dacs_i.to(tl.float32), 0.0))[:, None] * ch, z_rows, io_mask, tok_i, row_ok,
+                h, pt, offs_p, p_ok, x_ptr, y_ptr, sy_t, sy_h, sy_p, nw_ptr, part_ptr, s_part, P, BP, HAS_Z, DEFER_NORM)
+
+
+@triton.jit
+def _tree_ssd_persistent_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, bias_ptr, state_ptr, z_ptr, y_ptr,
+    anc_ptr, cu_ptr, slot_ptr, nw_ptr, part_ptr,
+    heads_per_group, dt_lo, dt_hi, n_items, n_programs, H,
+    sx_t, sx_h, sx_p, sdt_t, sdt_h, sb_t, sb_g, sb_n, sc_t, sc_g, sc_n,
+    ss_s, ss_h, ss_p, ss_n, sz_t, sz_h, sz_p, sy_t, sy_h, sy_p, sa_t, s_part,
+    P: tl.constexpr, N: tl.constexpr, BI: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DEFER_NORM: tl.constexpr, PREC: tl.constexpr,
+    STAGES: tl.constexpr, PDL: tl.constexpr,
+):
+    """The scan of one-tile trees at serving batches: `n_programs` programs take the (tree, head,
+    headdim tile) items in turn, item = tree * H * N_PT + h * N_PT + pt, so that the compiler's
+    software pipeline (STAGES deep) fetches the next item's rows and state while this item's
+    products run. Same arithmetic and outputs as `_tree_ssd_kernel` with ROW_TILES == 1."""
+    release_next(PDL)
+    wait_for_previous(PDL)
+    N_PT: tl.constexpr = (P + BP - 1) // BP
+    for item in tl.range(tl.program_id(0), n_items, n_programs, num_stages=STAGES):
+        pt = item % N_PT
+        h = (item // N_PT) % H
+        tree = item // (N_PT * H)
+        offs_p = pt * BP + tl.arange(0, BP)
+        p_ok = offs_p < P
+        start = tl.load(cu_ptr + tree)
+        n = tl.load(cu_ptr + tree + 1) - start
+        slot = tl.load(slot_ptr + tree).to(tl.int64)
+        acc, ch, dacs_i, z_rows, tok_i, row_ok, io_mask = _diagonal_block(
+            x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, anc_ptr, state_ptr + slot * ss_s + h * ss_h, 0.0,
+            start, n, 0, 0, h, h // heads_per_group, tl.load(A_ptr + h).to(tl.float32),
+            tl.load(bias_ptr + h).to(tl.float32), dt_lo, dt_hi, offs_p, p_ok,
+            sx_t, sx_h, sx_p, sdt_t, sdt_h, sb_t, sb_g, sb_n, sc_t, sc_g, sc_n, ss_p, ss_n, sz_t, sz_h, sz_p, sa_t,
+            N, 1, BI, BP, BN, STATE_LOADED, HAS_D, HAS_Z, PREC)
+        _store_rows(acc + tl.exp(tl.minimum(dacs_i.to(tl.float32), 0.0))[:, None] * ch, z_rows, io_mask, tok_i,
+                    row_ok, h, pt, offs_p, p_ok, x_ptr, y_ptr, sy_t, sy_h, sy_p, nw_ptr, part_ptr, s_part, P, BP,
+                    HAS_Z, DEFER_NORM)
 
 
 def tree_ssd_scan_deferred_norm(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes,
-                                dt_limit, z, norm_weight, norm_eps: float, ancestors=None):
+                                dt_limit, z, norm_weight, norm_eps: float, ancestors=None, *,
+                                programs_per_sm: int | None = None):
     """Triton `tree_ssd_scan_deferred_norm`: same contract as its `_ref` twin -> (u (T, H * P) in the
-    promoted dtype of norm_weight and z, SumOfSquares with one partial sum per program of a node)."""
+    promoted dtype of norm_weight and z, SumOfSquares with one partial sum per headdim tile of a node).
+    `programs_per_sm`: the launch, as for `tree_ssd_scan` (benchmarks)."""
     T, H, P = x.shape
     if z is None or z.shape != x.shape or norm_weight.shape != (H * P,):
         raise ValueError(f"the deferred norm needs z {tuple(x.shape)} and a norm weight ({H * P},)")
     out_dtype = torch.promote_types(norm_weight.dtype, z.dtype)
     return _launch(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes, dt_limit, z,
-                   ancestors, out_dtype=out_dtype, norm=(norm_weight.contiguous(), float(norm_eps)))
+                   ancestors, out_dtype=out_dtype, norm=(norm_weight.contiguous(), float(norm_eps)),
+                   programs_per_sm=programs_per_sm)
 
 
 def tree_ssd_scan(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes, dt_limit, z=None,
                   ancestors=None, *, block_p: int | None = None, block_n: int | None = None,
-                  num_warps: int | None = None, maxnreg: int | None = None):
+                  num_warps: int | None = None, maxnreg: int | None = None, programs_per_sm: int | None = None):
     """Triton `tree_ssd_scan`: same contract as `tree_ssd_scan_ref`; `ssm_state` is only read.
 
     `ancestors` (T, W) int32 is `tree_struct.ancestor_bits(parents, cu_seqlens, max_nodes)`, built once
     per forward and shared by every layer; when None it is built here (one extra launch).
     Keyword-only tuning knobs (benchmarks): `block_p` headdim columns per program (power of two >= 16),
     `block_n` d_state columns per load round (power of two >= 32), `num_warps`, `maxnreg` register
-    cap per thread (None or 0: none); None picks the defaults below.
+    cap per thread (None or 0: none), `programs_per_sm` 0 for one program per tile, k > 0 for the
+    persistent launch with k programs per SM (one-tile trees only); None picks the defaults below.
     """
     return _launch(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes, dt_limit, z,
-                   ancestors, block_p=block_p, block_n=block_n, num_warps=num_warps, maxnreg=maxnreg)
+                   ancestors, block_p=block_p, block_n=block_n, num_warps=num_warps, maxnreg=maxnreg,
+                   programs_per_sm=programs_per_sm)
 
 
 def _launch(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes, dt_limit, z, ancestors,
-            *, out_dtype=None, norm=None, block_p=None, block_n=None, num_warps=None, maxnreg=None):
+            *, out_dtype=None, norm=None, block_p=None, block_n=None, num_warps=None, maxnreg=None,
+            programs_per_sm=None):
     """The scan's launch: -> y (T, H, P), or with `norm` = (weight, eps) -> (u (T, H * P) of `out_dtype`,
     SumOfSquares)."""
     T, H, P = x.shape
@@ -369,7 +457,12 @@ def _launch(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx
     # (compute-sanitizer); real layers have P, N >= 32 and are unaffected.
     bp = block_p or max(32, min(64, pow2(P)))
     n_prog = nb * (bn // bi) * H
-    if block_p is None and bp > 32 and bn == bi and n_prog * triton.cdiv(P, bp) < 2 * _sm_count(x.device):
+    if programs_per_sm is None:
+        programs_per_sm = persistent_programs_per_sm(bn, n_prog * triton.cdiv(P, bp), _sm_count(x.device))
+    if programs_per_sm and bn != bi:
+        raise ValueError(f"the persistent scan takes one-tile trees (at most {MAX_TILE} nodes), not {max_nodes}")
+    if (not programs_per_sm and block_p is None and bp > 32 and bn == bi
+            and n_prog * triton.cdiv(P, bp) < 2 * _sm_count(x.device)):
         # small batches of one-tile trees: split headdim so more SMs share the state read. Taller
         # trees keep whole heads: a split repeats every lower block's path sums and decay tile in
         # both halves, and at 128 nodes whole heads ran in 0.64-0.74x the time (H200 sweep,
@@ -380,27 +473,58 @@ def _launch(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx
         # one round, 4 warps were the fastest or within 4% of it at 16/64/128 nodes, batch 1 and 16,
         # both layer shapes (H200 sweep, BENCHMARKS.md fifth round); 8 warps cost up to 1.5x at batch 16.
         num_warps = 4
-    block_n = block_n or max(32, pow2(N) if bn == bi and bp <= 32 else min(N_CHUNK, pow2(N)))  # see N_CHUNK
-    grid = (nb * (bn // bi), H, triton.cdiv(P, bp))
+    if programs_per_sm:  # d_state whole: one round of loads per item, pipelined across items
+        block_n = block_n or max(32, pow2(N))
+    else:
+        block_n = block_n or max(32, pow2(N) if bn == bi and bp <= 32 else min(N_CHUNK, pow2(N)))  # see N_CHUNK
     D_arg = D if D is not None else A
     bias = dt_bias if dt_bias is not None else torch.zeros_like(A)
     zt = z if z is not None else x
     # every node's row of partial sums is written (one column per (head, headdim tile) program);
     # rows past the last tree, if any, are not, and no real row reads them
     parts = ssm_common.new_output((T, H * triton.cdiv(P, bp)), torch.float32, x.device) if norm else A
-    _tree_ssd_kernel[grid](
-        x, dt, A, B, C, D_arg, bias, ssm_state, zt, y,
-        ancestors, as_int32(cu_seqlens), as_int32(slot_idx), norm[0] if norm else A, parts,
-        hpg, lo, hi,
-        *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
-        *ssm_state.stride(), *zt.stride(), *y.stride(), ancestors.stride(0), parts.stride(0),
-        P=P, N=N, ROW_TILES=bn // bi, BI=bi, BP=bp, BN=block_n,
-        HAS_D=D is not None, HAS_Z=z is not None, DEFER_NORM=norm is not None, PREC=dot_precision(x.dtype),
-        **pdl.launch_options(x.device),
-        num_warps=num_warps,
-        num_stages=1, maxnreg=maxnreg or None,  # no cap unless asked: capping never won with 4 warps
-    )
+    operands = (x, dt, A, B, C, D_arg, bias, ssm_state, zt, y,
+                ancestors, as_int32(cu_seqlens), as_int32(slot_idx), norm[0] if norm else A, parts)
+    strides = (*x.stride(), *dt.stride(), *B.stride(), *C.stride(),
+               *ssm_state.stride(), *zt.stride(), *y.stride(), ancestors.stride(0), parts.stride(0))
+    shared = dict(P=P, N=N, BI=bi, BP=bp, BN=block_n, HAS_D=D is not None, HAS_Z=z is not None,
+                  DEFER_NORM=norm is not None, PREC=dot_precision(x.dtype), **pdl.launch_options(x.device),
+                  num_warps=num_warps, maxnreg=maxnreg or None)  # no register cap unless asked: it never won
+    if programs_per_sm:
+        items = nb * H * triton.cdiv(P, bp)
+        programs = min(items, programs_per_sm * _sm_count(x.device))
+        _tree_ssd_persistent_kernel[(programs,)](
+            *operands, hpg, lo, hi, items, programs, H, *strides,
+            STAGES=PERSISTENT_STAGES, num_stages=PERSISTENT_STAGES, **shared)
+    else:
+        _tree_ssd_kernel[(nb * (bn // bi), H, triton.cdiv(P, bp))](
+            *operands, hpg, lo, hi, *strides, ROW_TILES=bn // bi,
+            STATE=STATE_LATER.value if bn > bi else STATE_GIVEN.value if block_n >= N else STATE_LOADED.value,
+            num_stages=1, **shared)
     return y if norm is None else (y.view(T, H * P), SumOfSquares(parts, H * P, norm[1]))
+
+
+# Serving batches of small trees: each program of the one-tile launch loads its rows and state, then
+# computes, so an SM's memory traffic stops while its few resident programs compute. The persistent
+# launch keeps PERSISTENT_PROGRAMS_PER_SM programs per SM that take items in turn, with the next
+# item's loads pipelined under this one's products. On an H100 (BENCHMARKS.md, eighteenth round), at
+# 64 sequences of 16-node trees, it ran the scan in 0.83-0.89x the one-tile launch's time (1.28-1.48x
+# its floor, against 1.46-1.79x) and took 1.0-1.6 ms off the 2.7B verifier's forward; at 16 and 32
+# sequences the forward did not change, at 4 it was 0.1 ms longer, and 64-node tiles ran 1.2-1.9x
+# slower. 2 or 4 programs per SM gained nothing at 64 sequences. Below PERSISTENT_MIN_ITEMS_PER_SM
+# items per SM the one-tile launch stays, which at one tree also reads the state before the PDL wait.
+PERSISTENT_MAX_TILE = 16
+PERSISTENT_PROGRAMS_PER_SM = 3
+PERSISTENT_STAGES = 2
+PERSISTENT_MIN_ITEMS_PER_SM = 8  # the 2.7B from 14 sequences on, the 8B's Mamba2 layers from 17
+
+
+def persistent_programs_per_sm(tree_tile: int, items: int, sms: int) -> int:
+    """Programs per SM of the persistent scan for trees padded to `tree_tile` rows, with `items`
+    (tree, head, headdim tile) items of work on `sms` SMs; 0: the one-program-per-tile launch."""
+    if tree_tile <= PERSISTENT_MAX_TILE and items >= PERSISTENT_MIN_ITEMS_PER_SM * sms:
+        return PERSISTENT_PROGRAMS_PER_SM
+    return 0
 
 
 def _sm_count(device: torch.device) -> int:

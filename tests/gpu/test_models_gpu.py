@@ -351,3 +351,32 @@ def test_commit_graph_is_the_eager_commit_bit_for_bit(arch, tmp_path_factory):
         for (p, _), pth in zip(items, paths):  # what commit() does after the device work
             p.consumed = True
             lm.pool.advance(p.slot, len(pth))
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "bamba"])
+def test_persistent_tree_scan_in_the_model(arch, tmp_path_factory, monkeypatch):
+    """Verifies of trees of up to 16 nodes with the tree scan's persistent launch (which serving
+    batches of real layers take; these small configs have too few heads for the launch rule to pick
+    it, so it is forced) against one program per tile, in CUDA graphs and in fp32: the same logits
+    before and after a commit."""
+    from kernels import ssd_tree
+
+    path, _, _ = models(arch, tmp_path_factory)
+    runs = []
+    for programs in (0, ssd_tree.PERSISTENT_PROGRAMS_PER_SM):
+        monkeypatch.setattr(ssd_tree, "persistent_programs_per_sm",
+                            lambda tile, items, sms, k=programs: k if tile <= ssd_tree.PERSISTENT_MAX_TILE else 0)
+        lm = HybridLM.from_pretrained(path, device="cuda", dtype=torch.float32, max_slots=4, max_len=128)
+        rng = random.Random(13)
+        slots = [lm.pool.alloc() for _ in range(3)]
+        lm.prefill(slots, [random_prompt(rng, n, VOCAB) for n in (9, 14, 5)])
+        logits = []
+        for kind, sizes in (("random", (16, 5, 9)), ("bushy", (12, 16, 1))):
+            trees = [random_tree(rng, rng.randrange(1, VOCAB), n, kind) for n in sizes]
+            res = lm.verify(slots, trees)
+            logits.append(res.logits.clone())
+            lm.commit([(res.pending[i], t.path_to(rng.randrange(t.size))) for i, t in enumerate(trees)])
+        assert not lm.graphs.failures, lm.graphs.failures
+        runs.append(logits)
+    for one_tile, persistent in zip(*runs):
+        assert (one_tile - persistent).abs().max().item() <= 1e-4 * max(1.0, one_tile.abs().max().item())

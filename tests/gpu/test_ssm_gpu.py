@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from kernels import ops, ssm_common
+from kernels import ops, ssd_tree, ssm_common
 from kernels.ssd_prefill import ssd_prefill, ssd_prefill_ref
 from kernels.ssd_tree import (
     tree_ssd_scan,
@@ -58,6 +58,16 @@ def poison(monkeypatch):
     monkeypatch.setattr(ssm_common, "new_output", nan_output)
 
 
+def assert_close_to_oracle_on_first_trees(out, a, lists, k: int, what: str) -> None:
+    """The scan's output `out` for the first `k` trees of the inputs `a` against the float64 oracle,
+    which walks every root-to-node path in Python (too slow for the whole batch)."""
+    n = int(a["cu_seqlens"][k])
+    first = {**a, "cu_seqlens": a["cu_seqlens"][: k + 1], "slot_idx": a["slot_idx"][:k]}
+    for key in ("x", "dt", "B", "C", "z", "parents"):
+        first[key] = a[key][:n]
+    assert_close(out[:n], oracle_tree(first, lists[:k]), BF16_TOL, what)
+
+
 TREES = [(64, "random"), (16, "bushy"), (1, "single"), (7, "chain"), (40, "deep"), (130, "random"), (256, "bushy")]
 
 
@@ -71,13 +81,7 @@ def test_tree_scan(shape):
     ref = tree_ssd_scan_ref(**a)
     assert_close(out, ref, BF16_TOL, "triton vs reference")
     assert torch.equal(a["ssm_state"], before), "the state pool must not be modified"
-    # the float64 oracle on the first trees only (it walks every root-to-node path in Python)
-    k = 5
-    n = int(a["cu_seqlens"][k])
-    first = {**a, "cu_seqlens": a["cu_seqlens"][: k + 1], "slot_idx": a["slot_idx"][:k]}
-    for key in ("x", "dt", "B", "C", "z", "parents"):
-        first[key] = a[key][:n]
-    assert_close(out[:n], oracle_tree(first, lists[:k]), BF16_TOL, "triton vs oracle")
+    assert_close_to_oracle_on_first_trees(out, a, lists, 5, "triton vs oracle")
     # as the model calls it: the ancestor bits built once on the device and passed in
     bits = ancestor_bits(a["parents"], a["cu_seqlens"], a["max_nodes"])
     assert torch.equal(bits, ancestor_bits_ref(a["parents"], a["cu_seqlens"], a["max_nodes"]))
@@ -105,6 +109,27 @@ def test_tree_scan_deferred_norm(shape, trees):
     y = tree_ssd_scan(**{**a, "z": None}).reshape(T, H * P)
     g = ops.gated_rms_norm(y, a["z"].reshape(T, H * P), w, H * P, 1e-5, torch.bfloat16)
     assert_close(u.float() * sums.rstd()[:, None], g.float(), BF16_TOL, "u * rstd vs the scan and the norm apart")
+    assert torch.equal(a["ssm_state"], before), "the state pool must not be modified"
+
+
+@gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tree_scan_at_a_serving_batch(shape):
+    """24 trees of up to 16 nodes: the persistent launch (what the launch rule picks at this batch)
+    against the twin, the float64 oracle on the first trees, and one program per tile."""
+    from tests.kernels import tree_cases
+
+    trees = [(16, kind) for kind in tree_cases.KINDS] * 3 + [(5, "chain"), (11, "random")] * 3
+    args, lists = tree_case(trees, *SHAPES[shape], seed=5, dtype=torch.bfloat16, slots=len(trees) + 3)
+    a = on(args, DEV)
+    bits = ancestor_bits(a["parents"], a["cu_seqlens"], a["max_nodes"])
+    H, P = a["x"].shape[1:]
+    assert ssd_tree.persistent_programs_per_sm(16, len(trees) * H * P // 64, 132)
+    before = a["ssm_state"].clone()
+    out = tree_ssd_scan(**a, ancestors=bits)
+    assert_close(out, tree_ssd_scan_ref(**a), BF16_TOL, "persistent vs reference")
+    assert_close(out, tree_ssd_scan(**a, ancestors=bits, programs_per_sm=0), BF16_TOL, "persistent vs one-tile")
+    assert_close_to_oracle_on_first_trees(out, a, lists, 4, "persistent vs oracle")
     assert torch.equal(a["ssm_state"], before), "the state pool must not be modified"
 
 
@@ -219,7 +244,7 @@ def test_dispatch_picks_triton_on_cuda(monkeypatch):
 
 def test_kernels_compile_for_h100():
     """Every SSM kernel at the GPU shapes' constexprs (headdim 64/128, d_state 128, node tiles 16..64
-    incl. multi-tile trees up to 256 nodes, the ancestor-bits build, K = 1 and 8, bf16) through the
+    incl. multi-tile trees up to 256 nodes, the persistent launch of 16-node trees, the ancestor-bits build, K = 1 and 8, bf16) through the
     real sm_90 compiler, without spills.
     Launch arguments are recorded from interpreted runs with few heads (heads are not constexpr)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -243,12 +268,16 @@ def test_kernels_compile_for_h100():
         for n in (16, 64):  # a Mamba2 verify: the gated norm less its scale in the epilogue
             args, _ = tree_case([(n, "random")], 1, 64, 128, 1, seed=8, dtype=torch.bfloat16)
             tree_ssd_scan_deferred_norm(**args, norm_weight=torch.ones(64, dtype=torch.bfloat16), norm_eps=1e-5)
+        for P in (64, 128):  # small trees at a serving batch (8 items on the CPU's one "SM"): the persistent launch
+            args, _ = tree_case([(16, "bushy"), (9, "random")], 4, P, 128, 1, seed=8, dtype=torch.bfloat16)
+            tree_ssd_scan(**args)
+            tree_ssd_scan_deferred_norm(**args, norm_weight=torch.ones(4 * P, dtype=torch.bfloat16), norm_eps=1e-5)
         args, _ = tree_case([(20, "random")], 1, 64, 128, 1, seed=8)  # fp32 activations: tf32x3 dots
         tree_ssd_scan(**args)
         ssd_prefill(**prefill_case(70, 1, 64, 128, 1, seed=8))
         ssm_chain_update(**chain_case(1, 4, 1, 64, 128, 1, seed=8, dtype=torch.bfloat16))
 
-    kernels = [ssd_tree._tree_ssd_kernel, tree_struct._ancestor_bits_kernel, ssm_decode._chain_update_kernel,
+    kernels = [ssd_tree._tree_ssd_kernel, ssd_tree._tree_ssd_persistent_kernel, tree_struct._ancestor_bits_kernel, ssm_decode._chain_update_kernel,
                ssm_commit._commit_kernel,
                prefill_mod._chunk_state_kernel, prefill_mod._state_passing_kernel, prefill_mod._chunk_scan_kernel]
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels import ssm_common
+from kernels import ssd_tree, ssm_common
 from kernels.ssd_tree import (
     tree_ssd_scan,
     tree_ssd_scan_deferred_norm,
@@ -174,3 +174,43 @@ def test_deferred_norm_refuses_what_it_cannot_do():
         tree_ssd_scan_deferred_norm(**args, norm_weight=weight[:31], norm_eps=1e-5)
     with pytest.raises(ValueError, match="z"):
         tree_ssd_scan_deferred_norm(**dict(args, z=None), norm_weight=weight, norm_eps=1e-5)
+
+
+# Trees of up to 16 nodes run either launch: one program per (tree, head, headdim tile), or the
+# persistent programs that take those items in turn (serving batches). On the CPU the launch rule
+# sees one SM, so both are forced here: the persistent launch with one program (every item in one
+# program's loop) and with two per SM (a program that runs out of items while another has one left).
+LAUNCHES = {"one program per tile": 0, "persistent, one program": 1, "persistent, two programs": 2}
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+@pytest.mark.parametrize("k", range(len(SHAPES)))
+def test_both_launches_of_small_trees(monkeypatch, launch, k):
+    monkeypatch.setattr(ssd_tree, "persistent_programs_per_sm", lambda tile, items, sms: LAUNCHES[launch])
+    spec = [(16, kind) for kind in tree_cases.KINDS] + [(9 + k, "random"), (1, "single")]
+    slots = len(spec) + 2
+    check(*tree_case(spec, *SHAPES[k], seed=60 + k, slots=slots), 1e-4)
+    check_deferred_norm(*tree_case(spec[::-1], *SHAPES[k], seed=63 + k, slots=slots), 1e-4, 1e-5)
+    args, lists = tree_case(spec[:3], *SHAPES[k], seed=66 + k, with_z=False)
+    args["D"] = None
+    check(args, lists, 1e-4)
+
+
+def test_persistent_launch_equals_one_program_per_tile():
+    """Headdim 40 in tiles of 32: items of two headdim tiles, the second one masked."""
+    args, lists = tree_case([(16, "bushy"), (3, "chain"), (12, "deep")], 3, 40, 40, 1, seed=70)
+    one_tile = tree_ssd_scan(**args, programs_per_sm=0, block_p=32, block_n=64)
+    assert_close(one_tile, oracle_tree(args, lists), 1e-4, "one program per tile vs oracle")
+    for k in (1, 3):
+        assert_close(tree_ssd_scan(**args, programs_per_sm=k, block_p=32), one_tile, 1e-6, f"{k} programs per SM")
+
+
+def test_persistent_launch_rule():
+    rule = ssd_tree.persistent_programs_per_sm
+    sms = 132
+    assert rule(16, 64 * 80, sms) == ssd_tree.PERSISTENT_PROGRAMS_PER_SM  # 64 sequences of 80 heads
+    assert rule(16, 4 * 80, sms) == 0  # 4 sequences: too few items per program to pipeline
+    assert rule(32, 64 * 80, sms) == 0  # taller trees: the one-tile launch
+    with pytest.raises(ValueError, match="one-tile trees"):
+        args, _ = tree_case([(70, "deep")], 1, 16, 16, 1, seed=71)
+        tree_ssd_scan(**args, programs_per_sm=2)

@@ -508,8 +508,8 @@ def _launch(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx
 # computes, so an SM's memory traffic stops while its few resident programs compute. The persistent
 # launch keeps PERSISTENT_PROGRAMS_PER_SM programs per SM that take items in turn, with the next
 # item's loads pipelined under this one's products. On an H100 (BENCHMARKS.md, eighteenth round), at
-# 64 sequences of 16-node trees, it ran the scan in 0.83-0.89x the one-tile launch's time (1.28-1.48x
-# its floor, against 1.46-1.79x) and took 1.0-1.6 ms off the 2.7B verifier's forward; at 16 and 32
+# 64 sequences of 16-node trees, it ran the scan in 0.83-0.89x the one-tile launch's time (1.27-1.49x
+# its floor, against 1.47-1.78x) and took 1.0-1.6 ms off the 2.7B verifier's forward; at 16 and 32
 # sequences the forward did not change, at 4 it was 0.1 ms longer, and 64-node tiles ran 1.2-1.9x
 # slower. 2 or 4 programs per SM gained nothing at 64 sequences. Below PERSISTENT_MIN_ITEMS_PER_SM
 # items per SM the one-tile launch stays, which at one tree also reads the state before the PDL wait.

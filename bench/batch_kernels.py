@@ -8,7 +8,8 @@ groups, which its conv width of 6144 implies):
 - `tree_conv1d`: the verify's tree conv as the model runs it, keeping the raw xBC | dt and
   writing its output into the stash rows of its layer;
 - `tree_ssd_scan`: the verify's tree scan with its gate, ancestor bits passed in, in the launch the
-  scan picks (persistent programs from two items per SM on) and with one program per tile;
+  scan picks (persistent programs for serving batches, `ssd_tree.persistent_programs_per_sm`)
+  and with one program per tile;
 - `tree_ssd_scan_deferred_norm`: the same with the gated norm less its scale (what a Mamba2 verify
   runs), both launches;
 - `ssm_state_commit` and `conv_state_commit`: a commit of paths of 1-4 accepted nodes of every

@@ -456,13 +456,12 @@ def _launch(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx
     # trees, triton 3.6 compiled a scan that read shared memory out of bounds on sm_90
     # (compute-sanitizer); real layers have P, N >= 32 and are unaffected.
     bp = block_p or max(32, min(64, pow2(P)))
-    n_prog = nb * (bn // bi) * H
+    items = nb * (bn // bi) * H * triton.cdiv(P, bp)  # (tree x row tile, head, headdim tile) programs
     if programs_per_sm is None:
-        programs_per_sm = persistent_programs_per_sm(bn, n_prog * triton.cdiv(P, bp), _sm_count(x.device))
+        programs_per_sm = persistent_programs_per_sm(bn, items, _sm_count(x.device))
     if programs_per_sm and bn != bi:
         raise ValueError(f"the persistent scan takes one-tile trees (at most {MAX_TILE} nodes), not {max_nodes}")
-    if (not programs_per_sm and block_p is None and bp > 32 and bn == bi
-            and n_prog * triton.cdiv(P, bp) < 2 * _sm_count(x.device)):
+    if not programs_per_sm and block_p is None and bp > 32 and bn == bi and items < 2 * _sm_count(x.device):
         # small batches of one-tile trees: split headdim so more SMs share the state read. Taller
         # trees keep whole heads: a split repeats every lower block's path sums and decay tile in
         # both halves, and at 128 nodes whole heads ran in 0.64-0.74x the time (H200 sweep,
@@ -490,8 +489,7 @@ def _launch(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx
     shared = dict(P=P, N=N, BI=bi, BP=bp, BN=block_n, HAS_D=D is not None, HAS_Z=z is not None,
                   DEFER_NORM=norm is not None, PREC=dot_precision(x.dtype), **pdl.launch_options(x.device),
                   num_warps=num_warps, maxnreg=maxnreg or None)  # no register cap unless asked: it never won
-    if programs_per_sm:
-        items = nb * H * triton.cdiv(P, bp)
+    if programs_per_sm:  # bp is as `items` counted it: only the one-tile launch splits headdim
         programs = min(items, programs_per_sm * _sm_count(x.device))
         _tree_ssd_persistent_kernel[(programs,)](
             *operands, hpg, lo, hi, items, programs, H, *strides,

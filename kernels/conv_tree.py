@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.pdl import release_next, wait_for_previous
+from kernels.ssm_common import silu
 from kernels.tree_index import tree_sizes
 
 
@@ -265,7 +266,7 @@ def _tree_conv1d_kernel(
         acc += val * (tap1 if s == 1 else (tap2 if s == 2 else tap3))[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    y = acc / (1.0 + tl.exp(-acc))
+    y = silu(acc)
     tl.store(out_ptr + rows[:, None] * stride_ot + d[None, :], y.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
 
@@ -434,7 +435,7 @@ def _conv_prefill_kernel(
         acc += val * w[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    y = acc / (1.0 + tl.exp(-acc))
+    y = silu(acc)
     tl.store(out_ptr + t[:, None].to(tl.int64) * stride_ol + d[None, :], y.to(out_ptr.dtype.element_ty),
              mask=t_ok[:, None] & d_ok[None, :])
     if tile == 0:  # the new ring: column r holds the one of the last W positions that is r mod W

@@ -28,7 +28,7 @@ from kernels import pdl
 from kernels.conv_tree import check_ring, tree_conv1d_ref
 from kernels.few_rows_linear import add_up_splits, dot_grid, dot_rows, few_rows_linear_ref, store_y
 from kernels.pdl import release_next
-from kernels.ssm_common import as_int32, dot_precision, last_axis_contiguous
+from kernels.ssm_common import as_int32, dot_precision, last_axis_contiguous, silu
 
 
 def project_tree_conv_ref(h, weight, bias, conv_lo, conv_weight, conv_bias, conv_state, parents, cu_seqlens,
@@ -137,7 +137,7 @@ def _conv(v, taps, W: tl.constexpr):
         from_tile = tl.gather(v, tl.broadcast_to(tl.maximum(row, 0)[None, :], (BN, BM)), axis=1)
         acc += tl.where((row >= 0)[None, :], from_tile, values[s - 1]) * weights[s][:, None]
     acc += bias[:, None]
-    return acc / (1.0 + tl.exp(-acc))
+    return silu(acc)
 
 
 # Rows one launch takes: a 16- or 32-row tile of the dot path. A 64-row tile's epilogue outgrows the

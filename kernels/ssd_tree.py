@@ -35,6 +35,7 @@ from kernels.ssm_common import (
     dot_precision,
     dt_activation,
     expand_groups,
+    fast_exp,
     heads_per_group,
     limits,
     pow2,
@@ -180,7 +181,7 @@ def _decay(m, dacs_rows, dacs_cols):
     The exponent is clamped at 0 (exact for ancestors) and non-ancestors are selected away, never
     multiplied, so their possibly huge exponents cannot make inf * 0."""
     seg = (dacs_rows[:, None] - dacs_cols[None, :]).to(tl.float32)
-    return tl.where(m, tl.exp(tl.minimum(seg, 0.0)), 0.0)
+    return tl.where(m, fast_exp(tl.minimum(seg, 0.0)), 0.0)
 
 
 # How `_diagonal_block` gets the committed state of a one-tile tree: read by the caller before the
@@ -356,7 +357,7 @@ def _tree_ssd_kernel(
             h0 = tl.load(st + offs_p[:, None] * ss_p + nn[None, :] * ss_n,
                          mask=p_ok[:, None] & n_ok[None, :], other=0.0)
             ch += tl.dot(c, tl.trans(h0), input_precision=PREC)
-    _store_rows(acc + tl.exp(tl.minimum(dacs_i.to(tl.float32), 0.0))[:, None] * ch, z_rows, io_mask, tok_i, row_ok,
+    _store_rows(acc + fast_exp(tl.minimum(dacs_i.to(tl.float32), 0.0))[:, None] * ch, z_rows, io_mask, tok_i, row_ok,
                 h, pt, offs_p, p_ok, x_ptr, y_ptr, sy_t, sy_h, sy_p, nw_ptr, part_ptr, s_part, P, BP, HAS_Z, DEFER_NORM)
 
 
@@ -393,7 +394,7 @@ def _tree_ssd_persistent_kernel(
             tl.load(bias_ptr + h).to(tl.float32), dt_lo, dt_hi, offs_p, p_ok,
             sx_t, sx_h, sx_p, sdt_t, sdt_h, sb_t, sb_g, sb_n, sc_t, sc_g, sc_n, ss_p, ss_n, sz_t, sz_h, sz_p, sa_t,
             N, 1, BI, BP, BN, STATE_LOADED, HAS_D, HAS_Z, PREC)
-        _store_rows(acc + tl.exp(tl.minimum(dacs_i.to(tl.float32), 0.0))[:, None] * ch, z_rows, io_mask, tok_i,
+        _store_rows(acc + fast_exp(tl.minimum(dacs_i.to(tl.float32), 0.0))[:, None] * ch, z_rows, io_mask, tok_i,
                     row_ok, h, pt, offs_p, p_ok, x_ptr, y_ptr, sy_t, sy_h, sy_p, nw_ptr, part_ptr, s_part, P, BP,
                     HAS_Z, DEFER_NORM)
 

@@ -1,4 +1,5 @@
-"""Shared pieces of the Mamba2 (SSD) kernels: the dt activation, head-to-group mapping, launch sizes.
+"""Shared pieces of the Mamba2 (SSD) kernels: the dt activation, head-to-group mapping, launch sizes,
+the SiLU every kernel applies.
 
 Both the PyTorch twins and the Triton kernels apply `dt = clamp(softplus(dt_raw + dt_bias), lo, hi)`;
 the softplus is the overflow-safe form (`v` itself once `v > 20`).
@@ -6,10 +7,12 @@ the softplus is the overflow-safe form (`v` itself once `v > 20`).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 SOFTPLUS_THRESHOLD = 20.0
 
@@ -79,6 +82,21 @@ def last_axis_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def fast_exp(x):
+    """e**x of fp32 x as exp2(x log2 e), which is how `tl.exp` computes it too, less the fix-ups it
+    adds for subnormal results: those flush to 0 here (below 1.2e-38, under every tolerance), every
+    other result is the same bits. Two instructions on sm_90 instead of five. The tree scan uses it:
+    its time at batch 1 is one long dependent chain, and it ran in 0.97-0.98x the time with it
+    (64- and 128-node trees, batches of 16 trees; H100, BENCHMARKS.md nineteenth round). The state
+    commit, memory-bound with one exponential per head and step, measured 1.005-1.027x with it and
+    keeps `tl.exp`; so do the decode updates and the prefill, which were not timed with it."""
+    return tl.exp2(x * LOG2E)
+
+
 @triton.jit
 def softplus_clamped(v, lo, hi):
     """Overflow-safe softplus then clamp; log1p done the accurate way (Goldberg) for tiny exp(v)."""
@@ -91,4 +109,23 @@ def softplus_clamped(v, lo, hi):
 
 @triton.jit
 def silu(z):
-    return z / (1.0 + tl.exp(-z))
+    """z * sigmoid(z) of fp32 z, in five instructions on sm_90 where `z / (1 + tl.exp(-z))` takes
+    twelve: `fast_exp`'s exponential, with the sign folded into its scale, and the approximate
+    division (`approx_divide`). In the tree conv, whose threads issue an instruction most cycles,
+    that was 0.95-0.97x the time at serving batches, with the same bf16 outputs (H100, BENCHMARKS.md
+    nineteenth round)."""
+    return approx_divide(z, 1.0 + tl.exp2(z * -LOG2E))
+
+
+# x / y of fp32 tensors to within 2 ulp (PTX div.approx: a reciprocal and a product) instead of
+# div.full's range fix-ups; 0 once |y| > 2**126, where x / y is below every tolerance anyway. The
+# interpreter has no libdevice, so interpreted kernels (CPU tests) divide exactly; the GPU tests
+# cover the approximate path.
+if os.environ.get("TRITON_INTERPRET") == "1":
+    @triton.jit
+    def approx_divide(x, y):
+        return x / y
+else:
+    @triton.jit
+    def approx_divide(x, y):
+        return libdevice.fast_dividef(x, y)

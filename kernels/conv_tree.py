@@ -159,6 +159,16 @@ def conv1d_prefill_ref(xbc, weight, bias, conv_state=None, start: int = 0):
 
 
 @triton.jit
+def walk_up(parents_ptr, start, cur, beyond):
+    """One step of a tree conv's walk towards the root: local nodes `cur` (BLOCK,) of the trees whose
+    packed rows begin at `start` (scalar or (BLOCK,)) -> (their parents, -1 once past the root, where
+    a node already past it stays; `beyond` (BLOCK,) int32, the steps taken past the root, counting
+    this one). The tree conv and the conv in in_proj's epilogue (kernels/proj_conv.py) both walk so."""
+    cur = tl.load(parents_ptr + start + tl.maximum(cur, 0), mask=cur >= 0, other=-1)
+    return cur, beyond + tl.where(cur >= 0, 0, 1)
+
+
+@triton.jit
 def _weight_column(w_ptr, stride_wd, d, d_ok, k: tl.constexpr):
     """(BLOCK_D,) fp32 column k of the (D, W) conv weight at channels d."""
     return tl.load(w_ptr + d * stride_wd + k, mask=d_ok, other=0.0).to(tl.float32)
@@ -251,10 +261,8 @@ def _tree_conv1d_kernel(
     cur = tl.where(row_ok, local, -1)  # walk position: local node, -1 once past the root
     beyond = tl.zeros((BLOCK_T,), dtype=tl.int32)  # steps taken past the root
     for s in tl.static_range(1, W):  # the s-th ancestor
-        parent = tl.load(parents_ptr + start + tl.maximum(cur, 0), mask=cur >= 0, other=-1)
-        cur = tl.where(cur >= 0, parent, cur)
+        cur, beyond = walk_up(parents_ptr, start, cur, beyond)
         on_path = cur >= 0
-        beyond += tl.where(on_path, 0, 1)
         src = (start + tl.maximum(cur, 0)).to(tl.int64)
         val = tl.load(x_ptr + src[:, None] * stride_xt + d[None, :], mask=on_path[:, None] & d_ok[None, :],
                       other=0.0).to(tl.float32)

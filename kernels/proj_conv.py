@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.conv_tree import check_ring, tree_conv1d_ref
+from kernels.conv_tree import check_ring, tree_conv1d_ref, walk_up
 from kernels.few_rows_linear import add_up_splits, dot_grid, dot_rows, few_rows_linear_ref, store_y
 from kernels.pdl import release_next
 from kernels.ssm_common import as_int32, dot_precision, last_axis_contiguous, silu
@@ -105,11 +105,8 @@ def _conv_taps(c, c_ok, m, m_ok, cw_ptr, cb_ptr, state_ptr, parents_ptr, cu_ptr,
     values = ()
     for s in tl.static_range(1, 4):  # the s-th ancestor
         if s < W:
+            cur, beyond = walk_up(parents_ptr, start, cur, beyond)
             on_path = cur >= 0
-            cur = tl.where(on_path, tl.load(parents_ptr + start + tl.maximum(cur, 0), mask=on_path & m_ok, other=-1),
-                           cur)
-            on_path = cur >= 0
-            beyond += tl.where(on_path, 0, 1)
             col = (n_committed - beyond) % W
             col = tl.where(col < 0, col + W, col)  # position n - beyond, before the first token too
             rows = rows + (tl.where(on_path, start + cur, -1),)

@@ -256,11 +256,14 @@ def _diagonal_block(x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, anc_ptr, st, h0_w
 
 
 @triton.jit
-def _store_rows(y, z_rows, io_mask, tok_i, row_ok, h, pt, offs_p, p_ok, x_ptr, y_ptr, sy_t, sy_h, sy_p, nw_ptr,
-                part_ptr, s_part, P: tl.constexpr, BP: tl.constexpr, HAS_Z: tl.constexpr, DEFER_NORM: tl.constexpr):
-    """Store a tile's scan output y (BI, BP) fp32: gated (HAS_Z), or with DEFER_NORM rounded to x's
-    dtype, gated, stored as w * gated in y's dtype, with each row's sum of gated squares at column
-    h * N_PT + pt of part_ptr."""
+def _store_rows(acc, ch, dacs_i, z_rows, io_mask, tok_i, row_ok, h, pt, offs_p, p_ok, x_ptr, y_ptr, sy_t, sy_h, sy_p,
+                nw_ptr, part_ptr, s_part, P: tl.constexpr, BP: tl.constexpr, HAS_Z: tl.constexpr,
+                DEFER_NORM: tl.constexpr):
+    """Store a tile's scan output y = acc + exp(dacs_i) * ch (BI, BP) fp32 (the rows' own terms and
+    their committed-state term, as `_diagonal_block` and the blocks below it leave them): gated
+    (HAS_Z), or with DEFER_NORM rounded to x's dtype, gated, stored as w * gated in y's dtype, with
+    each row's sum of gated squares at column h * N_PT + pt of part_ptr."""
+    y = acc + fast_exp(tl.minimum(dacs_i.to(tl.float32), 0.0))[:, None] * ch
     if DEFER_NORM:
         # rounded where the unfused path rounds: the scan's output in x's dtype, the gated value in
         # the output's, then the product with the weight
@@ -357,8 +360,8 @@ def _tree_ssd_kernel(
             h0 = tl.load(st + offs_p[:, None] * ss_p + nn[None, :] * ss_n,
                          mask=p_ok[:, None] & n_ok[None, :], other=0.0)
             ch += tl.dot(c, tl.trans(h0), input_precision=PREC)
-    _store_rows(acc + fast_exp(tl.minimum(dacs_i.to(tl.float32), 0.0))[:, None] * ch, z_rows, io_mask, tok_i, row_ok,
-                h, pt, offs_p, p_ok, x_ptr, y_ptr, sy_t, sy_h, sy_p, nw_ptr, part_ptr, s_part, P, BP, HAS_Z, DEFER_NORM)
+    _store_rows(acc, ch, dacs_i, z_rows, io_mask, tok_i, row_ok, h, pt, offs_p, p_ok, x_ptr, y_ptr, sy_t, sy_h, sy_p,
+                nw_ptr, part_ptr, s_part, P, BP, HAS_Z, DEFER_NORM)
 
 
 @triton.jit
@@ -394,9 +397,8 @@ def _tree_ssd_persistent_kernel(
             tl.load(bias_ptr + h).to(tl.float32), dt_lo, dt_hi, offs_p, p_ok,
             sx_t, sx_h, sx_p, sdt_t, sdt_h, sb_t, sb_g, sb_n, sc_t, sc_g, sc_n, ss_p, ss_n, sz_t, sz_h, sz_p, sa_t,
             N, 1, BI, BP, BN, STATE_LOADED, HAS_D, HAS_Z, PREC)
-        _store_rows(acc + fast_exp(tl.minimum(dacs_i.to(tl.float32), 0.0))[:, None] * ch, z_rows, io_mask, tok_i,
-                    row_ok, h, pt, offs_p, p_ok, x_ptr, y_ptr, sy_t, sy_h, sy_p, nw_ptr, part_ptr, s_part, P, BP,
-                    HAS_Z, DEFER_NORM)
+        _store_rows(acc, ch, dacs_i, z_rows, io_mask, tok_i, row_ok, h, pt, offs_p, p_ok, x_ptr, y_ptr, sy_t, sy_h,
+                    sy_p, nw_ptr, part_ptr, s_part, P, BP, HAS_Z, DEFER_NORM)
 
 
 def tree_ssd_scan_deferred_norm(x, dt, A, B, C, D, dt_bias, ssm_state, parents, cu_seqlens, slot_idx, max_nodes,

@@ -244,8 +244,8 @@ def test_dispatch_picks_triton_on_cuda(monkeypatch):
 
 def test_kernels_compile_for_h100():
     """Every SSM kernel at the GPU shapes' constexprs (headdim 64/128, d_state 128, node tiles 16..64
-    incl. multi-tile trees up to 256 nodes, the persistent launch of 16-node trees, the ancestor-bits build, K = 1 and 8, bf16) through the
-    real sm_90 compiler, without spills.
+    incl. multi-tile trees up to 256 nodes, the persistent launch of 16-node trees, the ancestor-bits
+    build, K = 1 and 8, bf16) through the real sm_90 compiler, without spills.
     Launch arguments are recorded from interpreted runs with few heads (heads are not constexpr)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("records launches from interpreted runs (TRITON_INTERPRET=1); CUDA runs compile anyway")
@@ -277,8 +277,8 @@ def test_kernels_compile_for_h100():
         ssd_prefill(**prefill_case(70, 1, 64, 128, 1, seed=8))
         ssm_chain_update(**chain_case(1, 4, 1, 64, 128, 1, seed=8, dtype=torch.bfloat16))
 
-    kernels = [ssd_tree._tree_ssd_kernel, ssd_tree._tree_ssd_persistent_kernel, tree_struct._ancestor_bits_kernel, ssm_decode._chain_update_kernel,
-               ssm_commit._commit_kernel,
+    kernels = [ssd_tree._tree_ssd_kernel, ssd_tree._tree_ssd_persistent_kernel, tree_struct._ancestor_bits_kernel,
+               ssm_decode._chain_update_kernel, ssm_commit._commit_kernel,
                prefill_mod._chunk_state_kernel, prefill_mod._state_passing_kernel, prefill_mod._chunk_scan_kernel]
 
     def known_spills(spec):

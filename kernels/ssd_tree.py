@@ -31,6 +31,7 @@ from kernels import pdl, ssm_common
 from kernels.norms import SumOfSquares, gated_rms_norm_deferred_ref
 from kernels.pdl import release_next, wait_for_previous
 from kernels.ssm_common import (
+    NATIVE_HALF_DOT,
     as_int32,
     dot_precision,
     dt_activation,
@@ -184,6 +185,31 @@ def _decay(m, dacs_rows, dacs_cols):
     return tl.where(m, fast_exp(tl.minimum(seg, 0.0)), 0.0)
 
 
+@triton.jit
+def _cb_operand(v, BI: tl.constexpr):
+    """C or B rows (BI or more, BN) as loaded -> in the dtype that `_cb_product` multiplies them in.
+
+    Tiles of 32 rows or more keep 2-byte activations as they are: the products are exact either way
+    (as they are in tf32, whose mantissa holds theirs), and the tensor cores run bf16/fp16 at twice
+    tf32's rate with no conversion first. One 32- to 128-node tree's scan then took 0.89-0.97x the
+    time. 16-row tiles, which serving batches of small trees run, took up to 1.10x and stay in fp32
+    (H100, BENCHMARKS.md twentieth round); so do fp32 activations and every interpreted kernel
+    (whose bf16 dot is wrong)."""
+    if NATIVE_HALF_DOT and v.dtype != tl.float32 and BI >= 32:
+        return v
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
+def _cb_product(c, b, acc, PREC: tl.constexpr):
+    """acc (BI, BJ) fp32 + C_i . B_j of rows c (BI, BN) and b (BJ, BN) from `_cb_operand`."""
+    if c.dtype == tl.float32:
+        return tl.dot(c, tl.trans(b), acc, input_precision=PREC)
+    else:
+        return tl.dot(c, tl.trans(b), acc)
+
+
 # How `_diagonal_block` gets the committed state of a one-tile tree: read by the caller before the
 # PDL wait (whole d_state), read here (in d_state chunks, or whole), or not at all (taller trees
 # fetch it after their lower blocks, to keep registers free).
@@ -231,17 +257,17 @@ def _diagonal_block(x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, anc_ptr, st, h0_w
     for n0 in tl.static_range(0, N, BN):
         nn = n0 + offs_n
         n_ok = nn < N
-        c = tl.load(C_ptr + tok_i[:, None] * sc_t + g * sc_g + nn[None, :] * sc_n,
-                    mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-        b = tl.load(B_ptr + tok_i[:, None] * sb_t + g * sb_g + nn[None, :] * sb_n,
-                    mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        c = _cb_operand(tl.load(C_ptr + tok_i[:, None] * sc_t + g * sc_g + nn[None, :] * sc_n,
+                                mask=row_ok[:, None] & n_ok[None, :], other=0.0), BI)
+        b = _cb_operand(tl.load(B_ptr + tok_i[:, None] * sb_t + g * sb_g + nn[None, :] * sb_n,
+                                mask=row_ok[:, None] & n_ok[None, :], other=0.0), BI)
         if STATE == STATE_GIVEN:
-            ch += tl.dot(c, tl.trans(h0_whole), input_precision=PREC)
+            ch += tl.dot(c.to(tl.float32), tl.trans(h0_whole), input_precision=PREC)
         elif STATE == STATE_LOADED:
             h0 = tl.load(st + offs_p[:, None] * ss_p + nn[None, :] * ss_n,
                          mask=p_ok[:, None] & n_ok[None, :], other=0.0)
-            ch += tl.dot(c, tl.trans(h0), input_precision=PREC)
-        cb_diag += tl.dot(c, tl.trans(b), input_precision=PREC)
+            ch += tl.dot(c.to(tl.float32), tl.trans(h0), input_precision=PREC)
+        cb_diag = _cb_product(c, b, cb_diag, PREC)
     dt_i = _activated(dt_raw, dt_ok, bias, dt_lo, dt_hi)
 
     dacs_i = _masked_row_sum(m_diag, dt_i * A)
@@ -341,11 +367,11 @@ def _tree_ssd_kernel(
         for n0 in tl.static_range(0, N, BN):
             nn = n0 + offs_n
             n_ok = nn < N
-            c = tl.load(C_ptr + tok_i[:, None] * sc_t + g * sc_g + nn[None, :] * sc_n,
-                        mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-            b = tl.load(B_ptr + tok_j[:, None] * sb_t + g * sb_g + nn[None, :] * sb_n,
-                        mask=n_ok[None, :], other=0.0).to(tl.float32)
-            cb += tl.dot(c, tl.trans(b), input_precision=PREC)
+            c = _cb_operand(tl.load(C_ptr + tok_i[:, None] * sc_t + g * sc_g + nn[None, :] * sc_n,
+                                    mask=row_ok[:, None] & n_ok[None, :], other=0.0), BI)
+            b = _cb_operand(tl.load(B_ptr + tok_j[:, None] * sb_t + g * sb_g + nn[None, :] * sb_n,
+                                    mask=n_ok[None, :], other=0.0), BI)
+            cb = _cb_product(c, b, cb, PREC)
         xj = tl.load(x_ptr + tok_j[:, None] * sx_t + h * sx_h + offs_p[None, :] * sx_p,
                      mask=p_ok[None, :], other=0.0).to(tl.float32)
         dt_j = _node_dt(dt_ptr, sdt_t, sdt_h, start, n, j0, h, bias, dt_lo, dt_hi, BI)

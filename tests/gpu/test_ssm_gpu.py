@@ -5,7 +5,7 @@ Run on a GPU machine with compiled (not interpreted) Triton:
     TRITON_INTERPRET=0 python -m pytest -q tests/gpu/test_ssm_gpu.py
 
 Tolerances (elementwise, |err| <= tol * (|expected| + max|expected|)): bf16 activations 1e-2 against the
-float64 oracle run on the same bf16-rounded inputs (bf16 output rounding is 4e-3; tf32 products inside);
+float64 oracle run on the same bf16-rounded inputs (bf16 output rounding is 4e-3; tf32 and bf16 products inside);
 fp32 states 1e-3 (5e-3 for prefill's chunk-state products); fp32 activations 1e-4 (3-pass tf32 products). `test_kernels_compile_for_h100` needs no GPU: it compiles every
 SSM kernel for sm_90 on whatever machine runs it.
 """

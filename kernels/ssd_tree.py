@@ -186,8 +186,9 @@ def _decay(m, dacs_rows, dacs_cols):
 
 
 @triton.jit
-def _cb_operand(v, BI: tl.constexpr):
-    """C or B rows (BI or more, BN) as loaded -> in the dtype that `_cb_product` multiplies them in.
+def _cb_rows(ptr, rows, g, nn, mask, s_t, s_g, s_n, BI: tl.constexpr):
+    """Group g's C or B at packed rows `rows` (R,) and d_state columns `nn` (BN,), masked (R, BN)
+    -> (R, BN) in the dtype that `_cb_product` multiplies them in (R >= BI, the tile's rows).
 
     Tiles of 32 rows or more keep 2-byte activations as they are: the products are exact either way
     (as they are in tf32, whose mantissa holds theirs), and the tensor cores run bf16/fp16 at twice
@@ -195,6 +196,7 @@ def _cb_operand(v, BI: tl.constexpr):
     time. 16-row tiles, which serving batches of small trees run, took up to 1.10x and stay in fp32
     (H100, BENCHMARKS.md twentieth round); so do fp32 activations and every interpreted kernel
     (whose bf16 dot is wrong)."""
+    v = tl.load(ptr + rows[:, None] * s_t + g * s_g + nn[None, :] * s_n, mask=mask, other=0.0)
     if NATIVE_HALF_DOT and v.dtype != tl.float32 and BI >= 32:
         return v
     else:
@@ -203,7 +205,7 @@ def _cb_operand(v, BI: tl.constexpr):
 
 @triton.jit
 def _cb_product(c, b, acc, PREC: tl.constexpr):
-    """acc (BI, BJ) fp32 + C_i . B_j of rows c (BI, BN) and b (BJ, BN) from `_cb_operand`."""
+    """acc (BI, BJ) fp32 + C_i . B_j of rows c (BI, BN) and b (BJ, BN) from `_cb_rows`."""
     if c.dtype == tl.float32:
         return tl.dot(c, tl.trans(b), acc, input_precision=PREC)
     else:
@@ -257,10 +259,8 @@ def _diagonal_block(x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, anc_ptr, st, h0_w
     for n0 in tl.static_range(0, N, BN):
         nn = n0 + offs_n
         n_ok = nn < N
-        c = _cb_operand(tl.load(C_ptr + tok_i[:, None] * sc_t + g * sc_g + nn[None, :] * sc_n,
-                                mask=row_ok[:, None] & n_ok[None, :], other=0.0), BI)
-        b = _cb_operand(tl.load(B_ptr + tok_i[:, None] * sb_t + g * sb_g + nn[None, :] * sb_n,
-                                mask=row_ok[:, None] & n_ok[None, :], other=0.0), BI)
+        c = _cb_rows(C_ptr, tok_i, g, nn, row_ok[:, None] & n_ok[None, :], sc_t, sc_g, sc_n, BI)
+        b = _cb_rows(B_ptr, tok_i, g, nn, row_ok[:, None] & n_ok[None, :], sb_t, sb_g, sb_n, BI)
         if STATE == STATE_GIVEN:
             ch += tl.dot(c.to(tl.float32), tl.trans(h0_whole), input_precision=PREC)
         elif STATE == STATE_LOADED:
@@ -367,10 +367,8 @@ def _tree_ssd_kernel(
         for n0 in tl.static_range(0, N, BN):
             nn = n0 + offs_n
             n_ok = nn < N
-            c = _cb_operand(tl.load(C_ptr + tok_i[:, None] * sc_t + g * sc_g + nn[None, :] * sc_n,
-                                    mask=row_ok[:, None] & n_ok[None, :], other=0.0), BI)
-            b = _cb_operand(tl.load(B_ptr + tok_j[:, None] * sb_t + g * sb_g + nn[None, :] * sb_n,
-                                    mask=n_ok[None, :], other=0.0), BI)
+            c = _cb_rows(C_ptr, tok_i, g, nn, row_ok[:, None] & n_ok[None, :], sc_t, sc_g, sc_n, BI)
+            b = _cb_rows(B_ptr, tok_j, g, nn, n_ok[None, :], sb_t, sb_g, sb_n, BI)
             cb = _cb_product(c, b, cb, PREC)
         xj = tl.load(x_ptr + tok_j[:, None] * sx_t + h * sx_h + offs_p[None, :] * sx_p,
                      mask=p_ok[None, :], other=0.0).to(tl.float32)

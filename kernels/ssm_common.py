@@ -117,15 +117,18 @@ def silu(z):
     return approx_divide(z, 1.0 + tl.exp2(z * -LOG2E))
 
 
+# Kernels defined now run in Triton's interpreter (the CPU tests), as `triton.jit` itself decides.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
 # Whether tl.dot may take bf16/fp16 operands as they are. The interpreter's bf16 dot is wrong, so
 # interpreted kernels convert them to fp32 first (the same values).
-NATIVE_HALF_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+NATIVE_HALF_DOT = tl.constexpr(not INTERPRETED)
 
 # x / y of fp32 tensors to within 2 ulp (PTX div.approx: a reciprocal and a product) instead of
 # div.full's range fix-ups; 0 once |y| > 2**126, where x / y is below every tolerance anyway. The
 # interpreter has no libdevice, so interpreted kernels (CPU tests) divide exactly; the GPU tests
 # cover the approximate path.
-if os.environ.get("TRITON_INTERPRET") == "1":
+if INTERPRETED:
     @triton.jit
     def approx_divide(x, y):
         return x / y

@@ -5,6 +5,7 @@ import argparse
 import logging
 
 from treeserve import cores
+from treeserve.server import add_grace_argument
 
 log = logging.getLogger("treeserve.drafter")
 
@@ -47,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     p.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' on every call")
     cores.add_argument(p)
+    add_grace_argument(p)
 
 
 def build(args: argparse.Namespace):
@@ -92,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from treeserve.v1 import treeserve_pb2_grpc as pbg
 
     drafter = build(args)
-    server = Server(f"{args.host}:{args.port}", auth_token=args.auth_token)
+    server = Server(f"{args.host}:{args.port}", auth_token=args.auth_token, grace_s=args.shutdown_grace_s)
     server.add(pbg.add_DrafterServicer_to_server, DrafterServicer(drafter, stopping=server.stopping), "Drafter").start()
     start_metrics(args.metrics_port)
     log.info("drafter: %s, defaults %s", drafter.strategy, drafter.defaults)

@@ -13,6 +13,7 @@ import json
 import sys
 
 from orchestrator.names import COORDINATOR, DEFAULT_NAMESPACE
+from treeserve.server import add_grace_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-max-new-tokens", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=4096, help="largest max_new_tokens a client may ask for")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
+    add_grace_argument(p)
     admin = p.add_mutually_exclusive_group()
     admin.add_argument("--register", metavar="ADDR", help="add a verifier replica to a running deployment and exit")
     admin.add_argument("--unregister", metavar="ADDR", help="drain and remove a verifier replica, then exit")
@@ -53,6 +55,7 @@ def config_from(args: argparse.Namespace):
         tokenizer=args.tokenizer, draft_timeout_s=args.draft_timeout_ms / 1e3, replica_timeout_s=args.replica_timeout_s,
         connect_timeout_s=args.connect_timeout_s,
         limits=FrontLimits(args.default_max_new_tokens, args.max_new_tokens), metrics_port=args.metrics_port,
+        shutdown_grace_s=args.shutdown_grace_s,
     )
 
 

@@ -16,6 +16,7 @@ from orchestrator.generation import FrontLimits
 from orchestrator.procs import Child, PortTaken, free_port, stop_all
 from orchestrator.runtime import Orchestrator, OrchestratorConfig
 from treeserve import cores
+from treeserve.server import add_grace_argument
 
 log = logging.getLogger("treeserve.serve")
 
@@ -46,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-max-new-tokens", type=int, default=256)
     p.add_argument("--log-dir", default=None, help="where the child services write their logs (default: temp files)")
     cores.add_argument(p)  # one set for the host: every child process benefits
+    add_grace_argument(p)  # the Generation service's: it drains first, then the children stop
 
 
 @dataclass
@@ -183,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     config = OrchestratorConfig(verifiers=[], host=args.host, port=args.port, auth_token=args.auth_token,
                                 tokenizer=str(plan.target), draft_timeout_s=args.draft_timeout_ms / 1e3,
-                                limits=FrontLimits(default_max_new_tokens=args.default_max_new_tokens))
+                                limits=FrontLimits(default_max_new_tokens=args.default_max_new_tokens),
+                                shutdown_grace_s=args.shutdown_grace_s)
     children, orch = launch(plan, config, args.log_dir)
     try:
         # after the children have loaded (the loops would slow that a little), before any client

@@ -17,6 +17,7 @@ from orchestrator import names
 from orchestrator.cluster import init_ray
 from orchestrator.engine import EngineConfig
 from orchestrator.generation import FrontLimits, GenerationServicer
+from treeserve.server import GRACE_SECONDS
 
 log = logging.getLogger("treeserve.orchestrator")
 
@@ -39,6 +40,7 @@ class OrchestratorConfig:
     connect_timeout_s: float = 300.0
     limits: FrontLimits = field(default_factory=FrontLimits)
     metrics_port: int = 0
+    shutdown_grace_s: float = GRACE_SECONDS  # how long a SIGTERM/SIGINT lets calls in flight finish
     quiet: bool = False  # no Ray / actor log lines on this process's output (the demo)
 
 
@@ -101,7 +103,8 @@ class Orchestrator:
         front = f"front-{socket.gethostname()}-{os.getpid()}"
         self._router = Router(c.namespace, front)
         servicer = GenerationServicer(self._router, tokenizer, c.limits)
-        self.server = Server(f"{c.host}:{c.port}", max_workers=256, auth_token=c.auth_token)
+        self.server = Server(f"{c.host}:{c.port}", max_workers=256, auth_token=c.auth_token,
+                             grace_s=c.shutdown_grace_s)
         self.server.add(pbg.add_GenerationServicer_to_server, servicer, "Generation")
         self.server.start()
         self.port = self.server.port

@@ -2,6 +2,7 @@
 exceptions, optional bearer-token auth, deadlines, Prometheus metrics, graceful shutdown."""
 from __future__ import annotations
 
+import argparse
 import functools
 import inspect
 import logging
@@ -20,7 +21,7 @@ from treeserve.v1 import treeserve_pb2 as pb
 log = logging.getLogger("treeserve.server")
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-GRACE_SECONDS = 5.0
+GRACE_SECONDS = 5.0  # how long a stopping server lets calls in flight finish (`--shutdown-grace-s`)
 
 
 def on_error(method: Callable, handle: Callable) -> Callable:
@@ -114,11 +115,15 @@ class BearerTokenAuth(grpc.ServerInterceptor):
 
 class Server:
     """A gRPC server with health and reflection. Register servicers, then `start()`;
-    `wait()` blocks until SIGTERM/SIGINT (or `stop()`), then drains for GRACE_SECONDS."""
+    `wait()` blocks until SIGTERM/SIGINT (or `stop()`), then lets the calls in flight finish for up
+    to `grace_s` seconds."""
 
     def __init__(self, address: str, max_workers: int = 32, auth_token: str | None = None,
-                 executor: futures.Executor | None = None):
+                 executor: futures.Executor | None = None, grace_s: float = GRACE_SECONDS):
         """executor: the pool that runs the calls (default: a ThreadPoolExecutor of max_workers)."""
+        if not grace_s >= 0:
+            raise ValueError(f"the shutdown grace period must be >= 0 seconds, got {grace_s}")
+        self.grace_s = grace_s
         interceptors = [BearerTokenAuth(auth_token)] if auth_token else []
         self._server = grpc.server(
             executor or futures.ThreadPoolExecutor(max_workers=max_workers),
@@ -152,10 +157,12 @@ class Server:
         self._server.start()
         return self
 
-    def stop(self, grace: float = GRACE_SECONDS) -> None:
+    def stop(self, grace: float | None = None) -> None:
+        """Refuse new calls and end open streams at their next message (`client_requests`); calls
+        in flight get `grace` seconds (None: this server's `grace_s`) before they are cancelled."""
         self.stopping.set()
         self._health.enter_graceful_shutdown()
-        self._server.stop(grace).wait()
+        self._server.stop(self.grace_s if grace is None else grace).wait()
         self._stopped.set()
 
     def wait(self) -> None:
@@ -163,6 +170,23 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: threading.Thread(target=self.stop, daemon=True).start())
         self._stopped.wait()
+
+
+def _grace_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:  # refuses nan too
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def add_grace_argument(p: argparse.ArgumentParser) -> None:
+    """The `--shutdown-grace-s` option every treeserve server takes."""
+    p.add_argument("--shutdown-grace-s", type=_grace_seconds, default=GRACE_SECONDS, metavar="S",
+                   help="on SIGTERM/SIGINT, let calls in flight finish for up to S seconds (open streams end at "
+                        f"their next message; default {GRACE_SECONDS:g})")
 
 
 def start_metrics(port: int | None) -> None:

@@ -6,6 +6,7 @@ import logging
 import pathlib
 
 from treeserve import cores
+from treeserve.server import GRACE_SECONDS, add_grace_argument
 from verifier_service.limits import Limits
 
 log = logging.getLogger("treeserve.verifier")
@@ -35,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="lazy: capture each shape bucket on first use; startup: capture every bucket before "
                         "serving; off: eager forwards")
     cores.add_argument(p)
+    add_grace_argument(p)
 
 
 def limits_from(args: argparse.Namespace) -> Limits:
@@ -58,10 +60,12 @@ def start(
     address: str = "127.0.0.1:0",
     auth_token: str | None = None,
     cuda_graphs: str = "lazy",
+    grace_s: float = GRACE_SECONDS,
 ):
     """Load the checkpoint and start serving; returns the running VerifierServer (`.port`,
     `.stop()`). `device` None: cuda when available, else cpu; `dtype` None: bf16 on cuda, fp32 on
-    cpu. Usable by anything that wants a verifier in its own process."""
+    cpu; `grace_s`: how long a shutdown lets calls in flight finish. Usable by anything that wants
+    a verifier in its own process."""
     import torch
 
     from models import HybridLM
@@ -76,7 +80,7 @@ def start(
     if cuda_graphs == "startup" and lm.graphs is not None:
         lm.graphs.capture_all()
     info = ModelInfo(name=pathlib.Path(model).resolve().name, device=str(dev), eos_token_ids=eos_ids(lm))
-    server = VerifierServer(lm, limits, address, info, auth_token=auth_token)
+    server = VerifierServer(lm, limits, address, info, auth_token=auth_token, grace_s=grace_s)
     log.info("%s on %s (%s), %s", info.name, dev, dtype, limits)
     return server
 
@@ -87,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     server = start(
         args.model, device=args.device, dtype=args.dtype, limits=limits_from(args),
         address=f"{args.host}:{args.port}", auth_token=args.auth_token, cuda_graphs=args.cuda_graphs,
+        grace_s=args.shutdown_grace_s,
     )
     start_metrics(args.metrics_port)
     # after loading (the spinners would slow it down a little), before the first client can call

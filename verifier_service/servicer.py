@@ -18,7 +18,7 @@ import torch
 
 from treeserve.errors import InvalidArgument, ServeError, item_error, status_of
 from treeserve.sampling import Sampling
-from treeserve.server import Server, client_requests, grpc_errors, on_error
+from treeserve.server import GRACE_SECONDS, Server, client_requests, grpc_errors, on_error
 from treeserve.tree import TreeError, tree_from_proto
 from treeserve.v1 import treeserve_pb2 as pb
 from treeserve.v1 import treeserve_pb2_grpc as pbg
@@ -290,14 +290,16 @@ def eos_ids(lm) -> tuple[int, ...]:
 class VerifierServer:
     """A running Verifier: batcher (model thread) + gRPC server. `stop()` shuts both down."""
 
-    def __init__(self, lm, limits: Limits, address: str, info: ModelInfo, auth_token: str | None = None):
+    def __init__(self, lm, limits: Limits, address: str, info: ModelInfo, auth_token: str | None = None,
+                 grace_s: float = GRACE_SECONDS):
+        """grace_s: how long a shutdown (SIGTERM/SIGINT in `wait`) lets calls in flight finish."""
         self.engine = Engine(lm, limits.validate())
         self.batcher = Batcher(self.engine, limits, device=info.device).start()
         # RPC threads run the model themselves when it is free: they keep inference mode on for
         # good instead of entering it for every forward (see batcher._model_mode)
         self._pool = LifoExecutor(max(32, 2 * limits.max_sequences + 8), name="verifier-rpc",
                                   prefer=self.batcher.is_runner, context=torch.inference_mode)
-        self.server = Server(address, auth_token=auth_token, executor=self._pool)
+        self.server = Server(address, auth_token=auth_token, executor=self._pool, grace_s=grace_s)
         servicer = VerifierServicer(self.engine, self.batcher, info, stopping=self.server.stopping)
         self.server.add(pbg.add_VerifierServicer_to_server, servicer, "Verifier")
         self.server.start()

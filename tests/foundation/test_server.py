@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import threading
 import time
 
@@ -10,33 +11,43 @@ import pytest
 
 from treeserve.server import GRACE_SECONDS, Server, add_grace_argument
 
-METHOD = "/treeserve.v1.Verifier/Slow"
+# a method of our own under a real service name (health checking registers the service by name)
+SERVICE = "treeserve.v1.Verifier"
+METHOD = f"/{SERVICE}/Slow"
 
 
-def serve_slow(grace_s: float, sleep_s: float) -> tuple[Server, threading.Event]:
-    """A started server with one unary method (bytes in, bytes out) that sleeps `sleep_s` seconds."""
-    entered = threading.Event()
+@contextlib.contextmanager
+def slow_server(grace_s: float, handler_s: float):
+    """A started server with one unary method (bytes in, bytes out) that takes `handler_s` seconds.
+    Yields (server, entered: set once a call is in the handler); afterwards the handler is let go
+    at once and the server stopped, whatever the test did."""
+    entered, release = threading.Event(), threading.Event()
 
     def slow(request: bytes, context) -> bytes:
         entered.set()
-        time.sleep(sleep_s)
+        release.wait(handler_s)
         return request
 
     def register(_servicer, server):
         handlers = {"Slow": grpc.unary_unary_rpc_method_handler(slow)}
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("treeserve.v1.Verifier", handlers),))
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
     server = Server("127.0.0.1:0", grace_s=grace_s).add(register, None, "Verifier").start()
-    return server, entered
+    try:
+        yield server, entered
+    finally:
+        release.set()
+        server.stop(grace=0)
 
 
 def call_in_background(port: int) -> tuple[threading.Thread, dict]:
+    """One call of the slow method on its own thread -> (thread, {'reply': bytes} or {'code': status})."""
     out: dict = {}
 
     def run():
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             try:
-                out["reply"] = ch.unary_unary(METHOD)(b"ping", timeout=30)
+                out["reply"] = ch.unary_unary(METHOD)(b"ping", timeout=60)
             except grpc.RpcError as exc:
                 out["code"] = exc.code()
 
@@ -46,27 +57,27 @@ def call_in_background(port: int) -> tuple[threading.Thread, dict]:
 
 
 def test_a_call_in_flight_finishes_within_the_grace_period():
-    server, entered = serve_slow(grace_s=10.0, sleep_s=0.5)
-    caller, out = call_in_background(server.port)
-    assert entered.wait(10)
-    t0 = time.monotonic()
-    server.stop()  # the server's own grace period
-    caller.join(10)
-    assert out == {"reply": b"ping"}
-    assert time.monotonic() - t0 < 5.0  # it waited for the call, not for the whole 10 s
+    with slow_server(grace_s=30.0, handler_s=0.5) as (server, entered):
+        caller, out = call_in_background(server.port)
+        assert entered.wait(30)
+        t0 = time.monotonic()
+        server.stop()  # the server's own grace period
+        caller.join(30)
+        assert out == {"reply": b"ping"}
+        assert time.monotonic() - t0 < 15.0  # it waited for the call, not for the whole 30 s
 
 
 def test_a_call_that_outlasts_the_grace_period_is_cut_off():
-    server, entered = serve_slow(grace_s=0.2, sleep_s=5.0)
-    caller, out = call_in_background(server.port)
-    assert entered.wait(10)
-    t0 = time.monotonic()
-    server.stop()
-    stopped_after = time.monotonic() - t0
-    caller.join(10)
-    # the server cancels the call and closes the connection; which of the two the client sees first varies
-    assert out.get("code") in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE), out
-    assert stopped_after < 3.0  # well before the handler's 5 s
+    with slow_server(grace_s=0.2, handler_s=30.0) as (server, entered):
+        caller, out = call_in_background(server.port)
+        assert entered.wait(30)
+        t0 = time.monotonic()
+        server.stop()
+        stopped_after = time.monotonic() - t0
+        caller.join(30)
+        # the server cancels the call and closes the connection; which the client sees first varies
+        assert out.get("code") in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE), out
+        assert stopped_after < 3.0  # the 0.2 s asked for, not the default 5 s (nor the handler's 30)
 
 
 def test_a_negative_grace_period_is_refused():
@@ -74,12 +85,18 @@ def test_a_negative_grace_period_is_refused():
         Server("127.0.0.1:0", grace_s=-1.0)
 
 
-@pytest.mark.parametrize("text", ["-1", "nan", "soon"])
-def test_the_option_refuses_what_is_not_a_number_of_seconds(text, capsys):
+def test_the_option_defaults_to_the_servers_grace_period():
     p = argparse.ArgumentParser()
     add_grace_argument(p)
     assert p.parse_args([]).shutdown_grace_s == GRACE_SECONDS
     assert p.parse_args(["--shutdown-grace-s", "0"]).shutdown_grace_s == 0.0
+    assert p.parse_args(["--shutdown-grace-s", "2.5"]).shutdown_grace_s == 2.5
+
+
+@pytest.mark.parametrize("text", ["-1", "nan", "soon"])
+def test_the_option_refuses_what_is_not_a_number_of_seconds(text, capsys):
+    p = argparse.ArgumentParser()
+    add_grace_argument(p)
     with pytest.raises(SystemExit):
         p.parse_args(["--shutdown-grace-s", text])
     assert "must be a number of seconds >= 0" in capsys.readouterr().err

@@ -329,12 +329,14 @@ def _tree_ssd_kernel(
     offs_p = pt * BP + tl.arange(0, BP)
     p_ok = offs_p < P
     offs_n = tl.arange(0, BN)
+    # The slot index is one of the step's tree tables, which no kernel of the step writes
+    # (kernels/pdl.py): read before the wait, once.
+    st = state_ptr + tl.load(slot_ptr + tree).to(tl.int64) * ss_s + h * ss_h
     if STATE == STATE_GIVEN:
         # A one-tile tree reads its committed state in one piece. Nothing in a verify step writes the
         # state pool (commits come after), so under PDL the read, the bulk of the scan's bytes at
         # small trees, runs while the kernel before finishes, as the fused decode step's does.
-        h0_whole = tl.load(state_ptr + tl.load(slot_ptr + tree).to(tl.int64) * ss_s + h * ss_h
-                           + offs_p[:, None] * ss_p + offs_n[None, :] * ss_n,
+        h0_whole = tl.load(st + offs_p[:, None] * ss_p + offs_n[None, :] * ss_n,
                            mask=p_ok[:, None] & (offs_n < N)[None, :], other=0.0)
     else:
         h0_whole = 0.0  # not read
@@ -345,11 +347,9 @@ def _tree_ssd_kernel(
     if row0 >= n:
         return
     g = h // heads_per_group
-    slot = tl.load(slot_ptr + tree).to(tl.int64)
     A = tl.load(A_ptr + h).to(tl.float32)
     bias = tl.load(bias_ptr + h).to(tl.float32)
 
-    st = state_ptr + slot * ss_s + h * ss_h
     acc, ch, dacs_i, z_rows, tok_i, row_ok, io_mask = _diagonal_block(
         x_ptr, dt_ptr, B_ptr, C_ptr, D_ptr, z_ptr, anc_ptr, st, h0_whole,
         start, n, row0, rt, h, g, A, bias, dt_lo, dt_hi, offs_p, p_ok,

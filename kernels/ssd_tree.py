@@ -379,11 +379,10 @@ def _tree_ssd_kernel(
         for n0 in tl.static_range(0, N, BN):
             nn = n0 + offs_n
             n_ok = nn < N
-            c = tl.load(C_ptr + tok_i[:, None] * sc_t + g * sc_g + nn[None, :] * sc_n,
-                        mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+            c = _cb_rows(C_ptr, tok_i, g, nn, row_ok[:, None] & n_ok[None, :], sc_t, sc_g, sc_n, BI)
             h0 = tl.load(st + offs_p[:, None] * ss_p + nn[None, :] * ss_n,
                          mask=p_ok[:, None] & n_ok[None, :], other=0.0)
-            ch += tl.dot(c, tl.trans(h0), input_precision=PREC)
+            ch += tl.dot(c.to(tl.float32), tl.trans(h0), input_precision=PREC)
     _store_rows(acc, ch, dacs_i, z_rows, io_mask, tok_i, row_ok, h, pt, offs_p, p_ok, x_ptr, y_ptr, sy_t, sy_h, sy_p,
                 nw_ptr, part_ptr, s_part, P, BP, HAS_Z, DEFER_NORM)
 

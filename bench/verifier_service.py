@@ -14,7 +14,9 @@ Three ways to load it, each with 1, 4, 16 and 64 sequences and 16-node trees:
   batched   one unary Verify call per step carrying every sequence;
   stream    the batched loop over one open VerifyStream: one request/response message pair per
             step (what the orchestrator's engine loop sends), so batched vs stream is what the
-            stream saves per round trip.
+            stream saves per round trip;
+  direct    the stream loop on the verifier's direct port (`--direct-port`, treeserve.h2grpc), the
+            client a DirectStreamSession: gRPC on sockets at both ends, no grpcio threads.
 Every step carries the piggy-backed commit of the previous tree (a random root path of at most 4
 nodes), so state moves as in real decoding.
 
@@ -52,7 +54,7 @@ import urllib.request
 
 from verifier_service.metrics import CALL_STAGES
 
-MODES = ("clients", "batched", "stream")
+MODES = ("clients", "batched", "stream", "direct")
 TREE_NODES = 16
 PROMPT = 128
 MAX_COMMIT = 4  # nodes per committed path
@@ -124,7 +126,7 @@ class Server:
             sys.executable, "-m", "treeserve.cli", "verifier", "--model", str(model), "--device", device,
             "--dtype", dtype, "--port", "0", "--max-sequences", str(max_sequences), "--max-tree-nodes",
             str(TREE_NODES), "--max-sequence-length", str(max_len), "--max-batch", str(max_sequences),
-            "--idle-timeout-s", "0", "--metrics-port", str(free_port()), *extra,
+            "--idle-timeout-s", "0", "--metrics-port", str(free_port()), "--direct-port", "0", *extra,
         ]
         port = cmd[len(cmd) - cmd[::-1].index("--metrics-port")]  # the value after the last one given (it wins)
         self.metrics_url = f"http://127.0.0.1:{port}/metrics"
@@ -139,6 +141,8 @@ class Server:
             self.stop()
             raise SystemExit(f"verifier did not start: {line!r}\n{open(log_path).read()[-4000:]}")
         self.address = line[0].split()[-1]
+        direct = self.proc.stdout.readline()
+        self.direct_address = direct.split()[-1] if direct.startswith("verifier direct port on ") else None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -406,6 +410,9 @@ def main() -> None:
                         r = run_clients(server.address, seqs, args.warmup, args.steps, server.metrics_url)
                     elif mode == "stream":
                         with client.verify_stream() as stream:
+                            r = run_batched(stream.send, seqs, args.warmup, args.steps, server.metrics_url)
+                    elif mode == "direct":
+                        with client.verify_stream_direct(server.direct_address) as stream:
                             r = run_batched(stream.send, seqs, args.warmup, args.steps, server.metrics_url)
                     else:
                         r = run_batched(client.verify_raw, seqs, args.warmup, args.steps, server.metrics_url)

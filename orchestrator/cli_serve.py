@@ -122,7 +122,8 @@ def start_services(plan: Plan, log_dir: Optional[str] = None) -> tuple[list[Chil
         for i in range(plan.replicas):
             port = free_port()
             children.append(Child(["verifier", "--model", plan.target, "--device", replica_device(plan.device, i),
-                                   "--port", port, *plan.extra_verifier_args], f"verifier-{i}", log_path(f"verifier-{i}")))
+                                   "--port", port, "--direct-port", free_port(), *plan.extra_verifier_args],
+                                  f"verifier-{i}", log_path(f"verifier-{i}")))
             verifiers.append(f"127.0.0.1:{port}")
         drafter = None
         if plan.drafter is not None or plan.ngram:

@@ -37,11 +37,13 @@ from orchestrator.draft_link import DraftLink
 from orchestrator.request import CANCELLED, Event, RequestSpec, RequestState
 from orchestrator.steps import accept, advance, fit_tree, in_original, take_output, tree_limits
 from treeserve.acceptance import Outcome
+from treeserve.h2grpc.client import DirectStreamSession
 from treeserve.server import channel as make_channel
 from treeserve.stream_session import StreamSession
 from treeserve.tree import TokenTree, tree_to_proto
 from treeserve.v1 import treeserve_pb2 as pb
 from treeserve.v1 import treeserve_pb2_grpc as pbg
+from verifier_service.client import VERIFY_STREAM_PATH
 
 log = logging.getLogger("treeserve.orchestrator.engine")
 
@@ -129,7 +131,8 @@ class Engine:
         self.name = config.name or f"engine:{config.verifier}"
         self.hooks = hooks or Hooks()
         self._channel = None
-        self._stream: Optional[StreamSession] = None  # VerifyStream; None: the verifier has none
+        # VerifyStream (on the verifier's direct port when it has one); None: the verifier has none
+        self._stream: Optional[StreamSession | DirectStreamSession] = None
         self._stub = self._connect(config.connect_timeout_s)
         self.info = VerifierInfo.from_proto(self._stub.Stats(pb.StatsRequest(), timeout=10.0))
         self.eos = frozenset(self.info.eos_token_ids)
@@ -208,7 +211,8 @@ class Engine:
                "down": self._down_since is not None, "forward_ms_intercept": a, "forward_ms_per_node": c,
                "acceptance": dict(self.shared.tau), "info": self.info.__dict__,
                # what steps are sent with: VerifyStream until the verifier says it has none
-               "verify_rpc": "Verify" if self._stream is None else "VerifyStream"}
+               "verify_rpc": "Verify" if self._stream is None else "VerifyStream",
+               "verify_stream_address": getattr(self._stream, "address", self.config.verifier)}
         if self.link is not None:
             out["drafter"] = {"up": self.link.up, **self.link.stats.__dict__}
         return out
@@ -497,8 +501,27 @@ class Engine:
             self._channel.close()
         self._channel = channel
         self._stub = pbg.VerifierStub(channel)
-        self._stream = StreamSession(self._stub.VerifyStream, timeout=self.config.verify_timeout_s)
+        self._stream = self._stream_session()
         return self._stub
+
+    def _stream_session(self) -> StreamSession | DirectStreamSession:
+        """The session for VerifyStream: on the verifier's direct port when it advertises one that
+        answers (a round trip with no grpcio threads at either end), else on the channel."""
+        try:
+            port = self._stub.Stats(pb.StatsRequest(), timeout=10.0).direct_port
+        except grpc.RpcError:
+            port = 0
+        if port:
+            address = f"{self.config.verifier.rpartition(':')[0]}:{port}"
+            session = DirectStreamSession(address, VERIFY_STREAM_PATH, pb.VerifyRequest.SerializeToString,
+                                          pb.VerifyResponse.FromString, timeout=self.config.verify_timeout_s,
+                                          auth_token=self.config.service_token)
+            try:
+                return session.connect()
+            except grpc.RpcError as exc:
+                log.warning("%s: verifier %s advertises direct port %d, which does not answer (%s): VerifyStream "
+                            "over gRPC instead", self.name, self.config.verifier, port, exc.details())
+        return StreamSession(self._stub.VerifyStream, timeout=self.config.verify_timeout_s)
 
     # ---- endings ------------------------------------------------------------------------
     def _fail(self, r: RequestState, code: int, message: str) -> None:

@@ -6,6 +6,7 @@ import logging
 import pathlib
 
 from treeserve import cores
+from treeserve.h2grpc.server import POLL_SECONDS
 from treeserve.server import GRACE_SECONDS, add_grace_argument
 from verifier_service.limits import Limits
 
@@ -30,6 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences per forward")
     p.add_argument("--max-batch-nodes", type=int, default=d.max_batch_nodes, help="tree nodes per forward")
     p.add_argument("--idle-timeout-s", type=float, default=d.idle_timeout_s, help="release sequences idle this long (0: never)")
+    p.add_argument("--direct-port", type=int, default=None,
+                   help="also serve Verify and VerifyStream on this port without grpcio's threads (a shorter round "
+                        "trip per step; 0 picks a free port; default: off). See docs/internals.md")
+    p.add_argument("--direct-poll-us", type=_microseconds, default=POLL_SECONDS * 1e6, metavar="US",
+                   help="how long a direct-port connection polls for its next request before it sleeps (a busy "
+                        f"core meanwhile, a faster next step; 0: never; default {POLL_SECONDS * 1e6:g})")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     p.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' on every call")
     p.add_argument("--cuda-graphs", choices=GRAPH_MODES, default="lazy",
@@ -37,6 +44,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "serving; off: eager forwards")
     cores.add_argument(p)
     add_grace_argument(p)
+
+
+def _microseconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 1e6:  # refuses nan too
+        raise argparse.ArgumentTypeError(f"must be a number of microseconds in [0, 1e6], got {text!r}")
+    return value
 
 
 def limits_from(args: argparse.Namespace) -> Limits:
@@ -61,10 +78,14 @@ def start(
     auth_token: str | None = None,
     cuda_graphs: str = "lazy",
     grace_s: float = GRACE_SECONDS,
+    direct_address: str | None = None,
+    direct_poll_s: float = POLL_SECONDS,
 ):
     """Load the checkpoint and start serving; returns the running VerifierServer (`.port`,
     `.stop()`). `device` None: cuda when available, else cpu; `dtype` None: bf16 on cuda, fp32 on
-    cpu; `grace_s`: how long a shutdown lets calls in flight finish. Usable by anything that wants
+    cpu; `grace_s`: how long a shutdown lets calls in flight finish; `direct_address`: where the
+    direct port listens (None: no direct port), `direct_poll_s` how long its connections poll for
+    the next request. Usable by anything that wants
     a verifier in its own process."""
     import torch
 
@@ -80,7 +101,8 @@ def start(
     if cuda_graphs == "startup" and lm.graphs is not None:
         lm.graphs.capture_all()
     info = ModelInfo(name=pathlib.Path(model).resolve().name, device=str(dev), eos_token_ids=eos_ids(lm))
-    server = VerifierServer(lm, limits, address, info, auth_token=auth_token, grace_s=grace_s)
+    server = VerifierServer(lm, limits, address, info, auth_token=auth_token, grace_s=grace_s,
+                            direct_address=direct_address, direct_poll_s=direct_poll_s)
     log.info("%s on %s (%s), %s", info.name, dev, dtype, limits)
     return server
 
@@ -92,10 +114,14 @@ def run(args: argparse.Namespace) -> int:
         args.model, device=args.device, dtype=args.dtype, limits=limits_from(args),
         address=f"{args.host}:{args.port}", auth_token=args.auth_token, cuda_graphs=args.cuda_graphs,
         grace_s=args.shutdown_grace_s,
+        direct_address=None if args.direct_port is None else f"{args.host}:{args.direct_port}",
+        direct_poll_s=args.direct_poll_us * 1e-6,
     )
     start_metrics(args.metrics_port)
     # after loading (the spinners would slow it down a little), before the first client can call
     with cores.CoreSpinners(args.keep_cores_awake):
         print(f"verifier listening on {args.host}:{server.port}", flush=True)
+        if server.direct_port is not None:
+            print(f"verifier direct port on {args.host}:{server.direct_port}", flush=True)
         server.wait()
     return 0

@@ -1,7 +1,8 @@
 """A small typed client of the Verifier service. Call failures surface as grpc.RpcError unchanged;
 per-item failures of Verify come back as `ItemResult.error`. `VerifierClient.verify_stream()`
 opens Verify over one long-lived VerifyStream (`treeserve.stream_session`): one request/response
-pair at a time, with a deadline per message."""
+pair at a time, with a deadline per message; `verify_stream_direct(address)` the same on the
+verifier's direct port (`treeserve.h2grpc`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from typing import Sequence
 import grpc
 
 from treeserve.acceptance import Outcome
+from treeserve.h2grpc.client import DirectStreamSession
 from treeserve.sampling import Sampling
 from treeserve.server import channel as make_channel
 from treeserve.stream_session import StreamSession
@@ -18,6 +20,7 @@ from treeserve.v1 import treeserve_pb2 as pb
 from treeserve.v1 import treeserve_pb2_grpc as pbg
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+VERIFY_STREAM_PATH = f"/{pb.DESCRIPTOR.services_by_name['Verifier'].full_name}/VerifyStream"
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ class VerifierClient:
         self._own = channel is None
         self._channel = channel if channel is not None else make_channel(address, auth_token)
         self._stub = pbg.VerifierStub(self._channel)
+        self._auth_token = auth_token
         self.timeout = timeout
 
     def close(self) -> None:
@@ -134,6 +138,13 @@ class VerifierClient:
         `close()`, a context manager. `timeout`: the deadline of each response (default: the
         client's); see StreamSession for what a failure does to the stream."""
         return StreamSession(self._stub.VerifyStream, self._t(timeout))
+
+    def verify_stream_direct(self, address: str, timeout: float | None = None) -> DirectStreamSession:
+        """`verify_stream` on the verifier's direct port at `address` (`treeserve verifier
+        --direct-port`; treeserve.h2grpc): the same contract, with a round trip that passes no
+        message between threads at either end. It opens its own connection."""
+        return DirectStreamSession(address, VERIFY_STREAM_PATH, pb.VerifyRequest.SerializeToString,
+                                   pb.VerifyResponse.FromString, self._t(timeout), auth_token=self._auth_token)
 
     def verify(self, items: Sequence[VerifyItem], timeout: float | None = None) -> VerifyReply:
         r = self.verify_raw(pb.VerifyRequest(items=[it.to_proto() for it in items]), timeout)

@@ -5,7 +5,8 @@ model directly.
 
 Verify and VerifyStream share one request path (`_verify`); they differ only in how a request
 arrives, how a malformed one ends the call (a status for the call, or for the whole stream) and
-when the metrics are recorded."""
+when the metrics are recorded. The direct port (`treeserve.h2grpc`, `direct_methods`) serves both
+through the same path."""
 from __future__ import annotations
 
 import functools
@@ -15,8 +16,10 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
-from treeserve.errors import InvalidArgument, ServeError, item_error, status_of
+from treeserve.errors import InvalidArgument, ServeError, Unavailable, item_error, status_of
+from treeserve.h2grpc.server import POLL_SECONDS, DirectServer, Method
 from treeserve.sampling import Sampling
 from treeserve.server import GRACE_SECONDS, Server, client_requests, grpc_errors, on_error
 from treeserve.tree import TreeError, tree_from_proto
@@ -27,6 +30,8 @@ from verifier_service.engine import Engine, VerifyWork
 from verifier_service.limits import MAX_SEQUENCE_ID_BYTES, MAX_TOP_LOGPROBS, Limits
 from verifier_service.metrics import metrics
 from verifier_service.pool import LifoExecutor
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 
 
 class DeadlineExceeded(ServeError):
@@ -84,6 +89,7 @@ class VerifierServicer(pbg.VerifierServicer):
         self._limits: Limits = engine.limits
         self._vocab = engine.vocab_size
         self._info = info
+        self.direct_port = 0  # Stats advertises it (VerifierServer sets it once the port is open)
 
     def _wait(self, future, context):
         """The future's result within the call's deadline. A call that ran the model on its own
@@ -253,6 +259,28 @@ class VerifierServicer(pbg.VerifierServicer):
         if timing.inline:
             m.inline_calls.inc()
 
+    # ---- the direct port (treeserve.h2grpc) -------------------------------------------------
+    def direct_methods(self) -> dict[str, Method]:
+        """Verify and VerifyStream as the direct port serves them: the same request path
+        (`_verify`), with the port's call in place of gRPC's context."""
+        return {f"/{SERVICE}/Verify": Method(self._direct_verify),
+                f"/{SERVICE}/VerifyStream": Method(self._direct_verify, streaming=True)}
+
+    def _direct_verify(self, message: bytes, call) -> bytes:
+        try:
+            if self._stopping is not None and self._stopping.is_set():
+                raise Unavailable("the verifier is shutting down")
+            try:
+                request = pb.VerifyRequest.FromString(message)
+            except DecodeError as exc:
+                raise InvalidArgument(f"VerifyRequest does not parse: {exc}") from exc
+            response, record = self._verify(request, call)
+        except Exception as exc:  # counted as _counted counts the gRPC port's failures
+            metrics().error(status_of(exc)[0])
+            raise
+        call.add_callback(record)
+        return response.SerializeToString()
+
     # ---- statistics ---------------------------------------------------------------------
     @grpc_errors
     def Stats(self, request, context):
@@ -270,6 +298,7 @@ class VerifierServicer(pbg.VerifierServicer):
             forward_passes=passes,
             mean_forward_ms=e.forward_ms_total / passes if passes else 0.0,
             device=self._info.device,
+            direct_port=self.direct_port,
         )
 
 
@@ -291,8 +320,12 @@ class VerifierServer:
     """A running Verifier: batcher (model thread) + gRPC server. `stop()` shuts both down."""
 
     def __init__(self, lm, limits: Limits, address: str, info: ModelInfo, auth_token: str | None = None,
-                 grace_s: float = GRACE_SECONDS):
-        """grace_s: how long a shutdown (SIGTERM/SIGINT in `wait`) lets calls in flight finish."""
+                 grace_s: float = GRACE_SECONDS, direct_address: str | None = None,
+                 direct_poll_s: float = POLL_SECONDS):
+        """grace_s: how long a shutdown (SIGTERM/SIGINT in `wait`) lets calls in flight finish;
+        direct_address: where to serve Verify and VerifyStream on the direct port as well
+        (`treeserve.h2grpc`; None: not at all); direct_poll_s: how long its connections poll for
+        the next request before they sleep (`DirectServer`)."""
         self.engine = Engine(lm, limits.validate())
         self.batcher = Batcher(self.engine, limits, device=info.device).start()
         # RPC threads run the model themselves when it is free: they keep inference mode on for
@@ -302,15 +335,25 @@ class VerifierServer:
         self.server = Server(address, auth_token=auth_token, executor=self._pool, grace_s=grace_s)
         servicer = VerifierServicer(self.engine, self.batcher, info, stopping=self.server.stopping)
         self.server.add(pbg.add_VerifierServicer_to_server, servicer, "Verifier")
+        self.direct: DirectServer | None = None
+        if direct_address is not None:
+            self.direct = DirectServer(direct_address, servicer.direct_methods(), auth_token=auth_token,
+                                       thread_context=torch.inference_mode, poll_s=direct_poll_s).start()
+            servicer.direct_port = self.direct.port
         self.server.start()
         self.port = self.server.port
+        self.direct_port = self.direct.port if self.direct is not None else None
 
     def wait(self) -> None:
         """Serve until SIGTERM/SIGINT."""
-        self.server.wait()
+        self.server.wait()  # the direct port's streams end at their next message meanwhile
+        if self.direct is not None:
+            self.direct.stop(grace=1.0)
         self._close()
 
     def stop(self) -> None:
+        if self.direct is not None:
+            self.direct.stop(grace=1.0)
         self.server.stop(grace=1.0)
         self._close()
 

@@ -1,10 +1,13 @@
-"""The engine sends its steps over VerifyStream, and falls back to unary Verify against a verifier
-built before VerifyStream existed: same output either way.
+"""The engine sends its steps over VerifyStream: on the verifier's direct port when the verifier
+advertises one (and it answers), else over gRPC; and it falls back to unary Verify against a verifier
+built before VerifyStream existed. Same output every way.
 
-Both front doors serve one verifier core in this process (one model, one batcher): a full Verifier
-and one registered without VerifyStream, as an older build answers (UNIMPLEMENTED)."""
+Every front door serves one verifier core in this process (one model, one batcher): a full Verifier;
+one that also serves the direct port; one that advertises a direct port nobody listens on; and one
+registered without VerifyStream, as an older build answers (UNIMPLEMENTED)."""
 from __future__ import annotations
 
+import socket
 import time
 
 import grpc
@@ -13,6 +16,7 @@ import pytest
 from orchestrator.engine import Engine, EngineConfig
 from orchestrator.request import RequestSpec, Speculation
 from treeserve.sampling import Sampling
+from treeserve.h2grpc.server import DirectServer
 from treeserve.server import Server
 from treeserve.v1 import treeserve_pb2_grpc as pbg
 
@@ -50,14 +54,28 @@ def verifiers(tiny_pair):
     lm = HybridLM.from_pretrained(tiny_pair[0], max_slots=limits.max_sequences, max_len=limits.max_sequence_length)
     core = VerifierEngine(lm, limits)
     batcher = Batcher(core, limits).start()
-    servicer = VerifierServicer(core, batcher, ModelInfo("target", "cpu", (0,)))
-    servers = {"current": Server("127.0.0.1:0").add(pbg.add_VerifierServicer_to_server, servicer, "Verifier"),
-               "older": Server("127.0.0.1:0").add(register_without_verify_stream, servicer, "Verifier")}
+    def servicer(direct_port: int = 0):
+        made = VerifierServicer(core, batcher, ModelInfo("target", "cpu", (0,)))
+        made.direct_port = direct_port
+        return made
+
+    direct_servicer = servicer()
+    direct = DirectServer("127.0.0.1:0", direct_servicer.direct_methods()).start()
+    direct_servicer.direct_port = direct.port
+    with socket.socket() as probe:  # a port that was free a moment ago: nobody listens there
+        probe.bind(("127.0.0.1", 0))
+        dead_port = probe.getsockname()[1]
+    servers = {"current": Server("127.0.0.1:0").add(pbg.add_VerifierServicer_to_server, servicer(), "Verifier"),
+               "direct": Server("127.0.0.1:0").add(pbg.add_VerifierServicer_to_server, direct_servicer, "Verifier"),
+               "dead_direct": Server("127.0.0.1:0").add(pbg.add_VerifierServicer_to_server, servicer(dead_port),
+                                                        "Verifier"),
+               "older": Server("127.0.0.1:0").add(register_without_verify_stream, servicer(), "Verifier")}
     for s in servers.values():
         s.start()
-    yield {name: f"127.0.0.1:{s.port}" for name, s in servers.items()}
+    yield {name: f"127.0.0.1:{s.port}" for name, s in servers.items()}, f"127.0.0.1:{direct.port}"
     for s in servers.values():
         s.stop(grace=0)
+    direct.stop(grace=0)
     batcher.stop()
 
 
@@ -76,16 +94,22 @@ def generate(engine: Engine, rid: str, prompt: list[int]) -> list[int]:
 
 
 def test_engine_streams_and_falls_back_to_unary_on_an_older_verifier(verifiers):
+    addresses, direct_address = verifiers
     prompt = [5, 17, 42, 8, 99, 3]
-    outputs, rpcs = {}, {}
-    for name, address in verifiers.items():
+    outputs, rpcs, stream_addresses = {}, {}, {}
+    for name, address in addresses.items():
         engine = Engine(EngineConfig(verifier=address, name=name, connect_timeout_s=30)).start()
         engine.eos = frozenset()  # the full NEW_TOKENS whatever the random target predicts
         try:
             outputs[name] = generate(engine, f"r-{name}", prompt)
-            rpcs[name] = engine.stats()["verify_rpc"]
+            stats = engine.stats()
+            rpcs[name], stream_addresses[name] = stats["verify_rpc"], stats["verify_stream_address"]
         finally:
             engine.stop()
-    assert rpcs == {"current": "VerifyStream", "older": "Verify"}
+    assert rpcs == {"current": "VerifyStream", "direct": "VerifyStream", "dead_direct": "VerifyStream",
+                    "older": "Verify"}
+    assert stream_addresses["direct"] == direct_address
+    assert stream_addresses["current"] == addresses["current"]
+    assert stream_addresses["dead_direct"] == addresses["dead_direct"]  # fell back to gRPC
     assert len(outputs["current"]) == NEW_TOKENS
-    assert outputs["older"] == outputs["current"]
+    assert outputs["older"] == outputs["current"] == outputs["direct"] == outputs["dead_direct"]

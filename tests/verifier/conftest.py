@@ -9,7 +9,7 @@ from tests.verifier.harness import MAX_SEQUENCES, VerifierProcess
 
 @pytest.fixture(scope="session")
 def verifier(tiny_pair):
-    proc = VerifierProcess(tiny_pair[0])
+    proc = VerifierProcess(tiny_pair[0], "--direct-port", "0")  # VerifyStream's tests run on both ports
     yield proc
     proc.stop()
 

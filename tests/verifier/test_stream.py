@@ -1,6 +1,8 @@
 """VerifyStream: Verify over one long-lived stream. Same answers as unary Verify, one response per
 request in order, a malformed request ends only its own stream, per-item errors do not end it, a
-late response fails like a unary deadline, and the bearer token is required."""
+late response fails like a unary deadline, and the bearer token is required. Each test runs on the
+main (grpcio) port with StreamSession and on the direct port (treeserve.h2grpc) with
+DirectStreamSession: the contract is the same."""
 from __future__ import annotations
 
 import queue
@@ -20,6 +22,23 @@ from verifier_service.client import CommitSpec, VerifierClient, VerifyItem
 VOCAB = 320
 
 
+TRANSPORTS = ("grpc", "direct")
+
+
+def stream_opener(client: VerifierClient, transport: str):
+    """open(timeout=None) -> a VerifyStream session of `client`'s verifier on `transport`."""
+    if transport == "grpc":
+        return client.verify_stream
+    port = client.stats().direct_port
+    assert port, "the verifier serves no direct port"
+    return lambda timeout=None: client.verify_stream_direct(f"127.0.0.1:{port}", timeout)
+
+
+@pytest.fixture(params=TRANSPORTS)
+def open_stream(request, client):
+    return stream_opener(client, request.param)
+
+
 def request(*items: VerifyItem):
     return pb.VerifyRequest(items=[it.to_proto() for it in items])
 
@@ -36,7 +55,7 @@ def answers(resp) -> list:
 
 
 @pytest.mark.parametrize("s, drafts", [(Sampling(), False), (Sampling(temperature=0.9, top_k=40, seed=21), True)])
-def test_stream_answers_equal_unary_step_by_step(client, fresh_id, s, drafts):
+def test_stream_answers_equal_unary_step_by_step(client, open_stream, fresh_id, s, drafts):
     """Twin sequences (same prompt and sampling) stepped through the same trees and commits, one by
     unary Verify, the other over one stream: equal answers at every step."""
     rng = random.Random(7)
@@ -45,7 +64,7 @@ def test_stream_answers_equal_unary_step_by_step(client, fresh_id, s, drafts):
     L, root = client.prefill(unary_id, prompt, s)
     assert client.prefill(stream_id, prompt, s) == (L, root)
     commit = None
-    with client.verify_stream() as stream:
+    with open_stream() as stream:
         for _ in range(6):
             tree = random_tree(rng, root, VOCAB, size=rng.randint(1, 12))
             if drafts and tree.size > 1:
@@ -65,8 +84,9 @@ def test_stream_answers_equal_unary_step_by_step(client, fresh_id, s, drafts):
         assert stream.open
 
 
-def test_pipelined_requests_get_one_response_each_in_order(client, fresh_id):
-    """Requests written ahead of their answers (raw stub, not the session): each response belongs
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_pipelined_requests_get_one_response_each_in_order(client, verifier, fresh_id, transport):
+    """Requests written ahead of their answers (grpcio's stub, not a session): each response belongs
     to the request at its position."""
     ids = [fresh_id("pipe") for _ in range(3)]
     roots = {sid: client.prefill(sid, [3, 4, 5 + k]) for k, sid in enumerate(ids)}
@@ -76,19 +96,21 @@ def test_pipelined_requests_get_one_response_each_in_order(client, fresh_id):
         plan.append([(sid, 1 + (i * 5 + j) % 7) for j, sid in enumerate(chosen)])
     reqs = [request(*(VerifyItem(sid, roots[sid][0], TokenTree.chain([roots[sid][1]] + [9] * (n - 1)))
                       for sid, n in step)) for step in plan]
-    responses = list(client._stub.VerifyStream(iter(reqs), timeout=60))
+    address = verifier.address if transport == "grpc" else f"127.0.0.1:{client.stats().direct_port}"
+    with grpc.insecure_channel(address) as ch:
+        responses = list(pbg.VerifierStub(ch).VerifyStream(iter(reqs), timeout=60))
     assert len(responses) == len(plan)
     for step, resp in zip(plan, responses):
         assert [(r.sequence_id, len(r.target_tokens)) for r in resp.results] == step
         assert all(not r.HasField("error") for r in resp.results)
 
 
-def test_malformed_request_ends_only_its_stream(client, fresh_id):
+def test_malformed_request_ends_only_its_stream(client, open_stream, fresh_id):
     sid, other = fresh_id(), fresh_id()
     L, root = client.prefill(sid, [1, 2, 3])
     Lo, root_o = client.prefill(other, [1, 2, 4])
     good = request(VerifyItem(sid, L, TokenTree.single(root)))
-    with client.verify_stream() as bad, client.verify_stream() as bystander:
+    with open_stream() as bad, open_stream() as bystander:
         assert bad.send(good).results[0].committed_length == L
         assert bystander.send(request(VerifyItem(other, Lo, TokenTree.single(root_o)))).results[0].target_tokens
         with pytest.raises(grpc.RpcError) as e:
@@ -103,10 +125,10 @@ def test_malformed_request_ends_only_its_stream(client, fresh_id):
         assert bad.send(good).results[0].committed_length == L and bad.open
 
 
-def test_item_errors_travel_inside_the_response(client, fresh_id):
+def test_item_errors_travel_inside_the_response(client, open_stream, fresh_id):
     sid = fresh_id()
     L, root = client.prefill(sid, [6, 7])
-    with client.verify_stream() as stream:
+    with open_stream() as stream:
         resp = stream.send(request(VerifyItem(fresh_id("unknown"), 0, TokenTree.single(root)),
                                    VerifyItem(sid, L + 3, TokenTree.single(root)),
                                    VerifyItem(sid + "-too-long", 0, TokenTree.single(root), top_logprobs=99)))
@@ -117,11 +139,11 @@ def test_item_errors_travel_inside_the_response(client, fresh_id):
         assert stream.send(request(VerifyItem(sid, L, TokenTree.single(root)))).results[0].committed_length == L
 
 
-def test_late_response_is_deadline_exceeded_and_the_next_send_reopens(client, fresh_id):
+def test_late_response_is_deadline_exceeded_and_the_next_send_reopens(client, open_stream, fresh_id):
     sid = fresh_id()
     L, root = client.prefill(sid, [8, 9, 10])
     slow = request(VerifyItem(sid, L, random_tree(random.Random(1), root, VOCAB, size=16)))
-    with client.verify_stream(timeout=1.0) as stream:
+    with open_stream(timeout=1.0) as stream:
         # answers in time, also after the deadline thread woke up with nothing to wait for
         assert stream.send(slow).results[0].committed_length == L
         time.sleep(1.2)
@@ -133,30 +155,36 @@ def test_late_response_is_deadline_exceeded_and_the_next_send_reopens(client, fr
         assert stream.send(slow).results[0].committed_length == L and stream.open
 
 
-def test_stream_requires_the_token(tiny_pair):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_stream_requires_the_token(tiny_pair, transport):
     from models import HybridLM
     from verifier_service.limits import Limits
     from verifier_service.servicer import ModelInfo, VerifierServer
 
     lm = HybridLM.from_pretrained(tiny_pair[0], max_slots=2, max_len=64)
     srv = VerifierServer(lm, Limits(max_sequences=2, max_tree_nodes=8, max_sequence_length=64), "127.0.0.1:0",
-                         ModelInfo("target", "cpu", (0,)), auth_token="s3cret")
+                         ModelInfo("target", "cpu", (0,)), auth_token="s3cret", direct_address="127.0.0.1:0")
     address = f"127.0.0.1:{srv.port}"
+    stream_address = address if transport == "grpc" else f"127.0.0.1:{srv.direct_port}"
+
+    def open_stream(c: VerifierClient):  # not stream_opener: an anonymous client may not ask Stats
+        return c.verify_stream() if transport == "grpc" else c.verify_stream_direct(stream_address)
+
     try:
-        with VerifierClient(address, timeout=30) as anonymous, anonymous.verify_stream() as stream:
+        with VerifierClient(address, timeout=30) as anonymous, open_stream(anonymous) as stream:
             with pytest.raises(grpc.RpcError) as e:
                 stream.send(request(VerifyItem("a", 3, TokenTree.single(1))))
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # refused at once, before the client writes anything (a refusal of the wrong kind of
         # handler would wait for a first message and run into the deadline instead)
         silent: queue.SimpleQueue = queue.SimpleQueue()
-        with grpc.insecure_channel(address) as ch:
+        with grpc.insecure_channel(stream_address) as ch:
             call = pbg.VerifierStub(ch).VerifyStream(iter(silent.get, None), timeout=10)
             with pytest.raises(grpc.RpcError) as e:
                 next(call)
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
             silent.put(None)
-        with VerifierClient(address, auth_token="s3cret", timeout=30) as c, c.verify_stream() as stream:
+        with VerifierClient(address, auth_token="s3cret", timeout=30) as c, open_stream(c) as stream:
             L, root = c.prefill("a", [1, 2, 3])
             (r,) = stream.send(pb.VerifyRequest(items=[pb.VerifyItem(
                 sequence_id="a", committed_length=L, tree=tree_to_proto(TokenTree.single(root)))])).results
@@ -168,18 +196,19 @@ def test_stream_requires_the_token(tiny_pair):
 GRACE_S = 60.0
 
 
-def test_shutdown_ends_an_open_stream_at_its_next_request(tiny_pair):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_shutdown_ends_an_open_stream_at_its_next_request(tiny_pair, transport):
     """SIGTERM with a stream open: its next request is answered UNAVAILABLE (go to another replica),
     not served, and the process exits long before its grace period (60 s here), which an open
     stream would otherwise hold it for. (The grace is long so that a busy machine's slow exit is
     never mistaken for a held one.)"""
     from tests.verifier.harness import VerifierProcess
 
-    proc = VerifierProcess(tiny_pair[0], "--shutdown-grace-s", str(GRACE_S))
+    proc = VerifierProcess(tiny_pair[0], "--shutdown-grace-s", str(GRACE_S), "--direct-port", "0")
     try:
         with VerifierClient(proc.address, timeout=30) as c:
             L, root = c.prefill("bye", [3, 4, 5])
-            with c.verify_stream() as stream:
+            with stream_opener(c, transport)() as stream:
                 stream.send(request(VerifyItem("bye", L, TokenTree((root,), (-1,)))))
                 proc.proc.terminate()
                 t0 = time.monotonic()

@@ -205,7 +205,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierStats(_message.Message):
-    __slots__ = ("model", "vocab_size", "eos_token_ids", "max_sequences", "active_sequences", "max_tree_nodes", "max_sequence_length", "verified_nodes", "forward_passes", "mean_forward_ms", "device")
+    __slots__ = ("model", "vocab_size", "eos_token_ids", "max_sequences", "active_sequences", "max_tree_nodes", "max_sequence_length", "verified_nodes", "forward_passes", "mean_forward_ms", "device", "direct_port")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,7 @@ class VerifierStats(_message.Message):
     FORWARD_PASSES_FIELD_NUMBER: _ClassVar[int]
     MEAN_FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_PORT_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -228,7 +229,8 @@ class VerifierStats(_message.Message):
     forward_passes: int
     mean_forward_ms: float
     device: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_sequences: _Optional[int] = ..., active_sequences: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., verified_nodes: _Optional[int] = ..., forward_passes: _Optional[int] = ..., mean_forward_ms: _Optional[float] = ..., device: _Optional[str] = ...) -> None: ...
+    direct_port: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_sequences: _Optional[int] = ..., active_sequences: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., verified_nodes: _Optional[int] = ..., forward_passes: _Optional[int] = ..., mean_forward_ms: _Optional[float] = ..., device: _Optional[str] = ..., direct_port: _Optional[int] = ...) -> None: ...
 
 class DraftOptions(_message.Message):
     __slots__ = ("shape", "node_budget", "max_depth", "draft_ahead")

@@ -30,6 +30,10 @@ def _status(code: int) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN
 
 
+class _ClientPeer(Peer):
+    end_stream_ends_call = True
+
+
 class _Connection:
     """One socket to the server, its HTTP/2 state, and at most one open stream."""
 
@@ -41,7 +45,7 @@ class _Connection:
         except OSError as exc:
             raise StreamError(grpc.StatusCode.UNAVAILABLE, f"cannot connect to {address}: {exc}") from exc
         sock.settimeout(None)
-        self.peer = Peer(sock)  # no polling: it waits out a whole forward (and six runs saw no gain)
+        self.peer = _ClientPeer(sock)  # no polling: it waits out a whole forward (and six runs saw no gain)
         self.next_sid = 1
         self.peer.queue(f.PREFACE + self.peer.local_settings())
         self.broken = False
@@ -98,16 +102,23 @@ class DirectStreamSession:
         if self._closed:
             raise ValueError("send on a closed DirectStreamSession")
         timeout = self.timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             if self._sid is None:
                 self._open()
             conn = self._conn
+            conn.peer.sock.settimeout(timeout)  # sending too (a peer may hold its window shut)
             try:
                 conn.peer.queue_data(self._sid, f.grpc_message(self._serialize(request)))
             except StreamReset:
                 pass  # the server ended the call before taking the whole request: its status follows
             conn.peer.flush()
-            return self._deserialize(self._response(timeout))
+            return self._deserialize(self._response(deadline, timeout))
+        except TimeoutError:  # while sending: part of a frame may have gone, so the connection goes
+            failure = StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the request was not sent within {timeout:g} s")
+            self.error = failure
+            self._drop_connection()
+            raise failure from None
         except grpc.RpcError as exc:
             self.error = exc
             self._end(reset=exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -134,11 +145,11 @@ class DirectStreamSession:
         self._messages = f.MessageBuffer(1 << 30)
         self._responded = False
 
-    def _response(self, timeout: float | None) -> bytes:
-        """Read frames until this stream's next message; a status ends the stream (raised)."""
+    def _response(self, deadline: float | None, timeout: float | None) -> bytes:
+        """Read frames until this stream's next message, by `deadline` (time.monotonic(); None: no
+        limit; `timeout` is what it was set from, for the message); a status ends the stream (raised)."""
         conn, sid = self._conn, self._sid
         peer = conn.peer
-        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if deadline is not None:
                 left = deadline - time.monotonic()
@@ -149,9 +160,6 @@ class DirectStreamSession:
                 ftype, flags, stream, payload, flow = peer.reader.read()
             except TimeoutError:
                 raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no response within {timeout:g} s") from None
-            finally:
-                if deadline is not None:
-                    peer.sock.settimeout(None)
             if peer.control(ftype, flags, stream, payload):
                 continue
             if ftype == f.DATA:

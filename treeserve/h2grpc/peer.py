@@ -19,6 +19,11 @@ MAX_HEADER_LIST_BYTES = 16384
 
 
 class Peer:
+    # Whether the peer's END_STREAM on a stream ends the call there. For a client it does (the
+    # server's trailers carry the status, and no more window will come for the stream); for a
+    # server it is the client's half-close, after which the client still reads the answer.
+    end_stream_ends_call = False
+
     def __init__(self, sock: socket.socket, max_header_list: int = MAX_HEADER_LIST_BYTES, poll_s: float = 0.0):
         """poll_s: see `frames.FrameReader`."""
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -61,6 +66,8 @@ class Peer:
             data, self._out = bytes(self._out), bytearray()
             try:
                 self.sock.sendall(data)
+            except TimeoutError:
+                raise  # the caller's deadline (part of `data` may have gone: the connection is unusable)
             except OSError as exc:
                 raise f.ConnectionClosed(str(exc)) from exc
 
@@ -103,8 +110,9 @@ class Peer:
             ftype, flags, stream, payload, _ = item
             if not self.control(ftype, flags, stream, payload):
                 self.reader.defer(item)
-                if ftype == f.RST_STREAM and stream == sid:
-                    raise StreamReset(sid)
+                if stream == sid and (ftype == f.RST_STREAM or (
+                        self.end_stream_ends_call and ftype == f.HEADERS and flags & f.END_STREAM)):
+                    raise StreamReset(sid)  # the call is over: no window will come for it
 
     # ---- reading -----------------------------------------------------------------------------
     def control(self, ftype: int, flags: int, sid: int, payload: bytes) -> bool:

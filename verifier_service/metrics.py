@@ -42,6 +42,9 @@ class VerifierMetrics:
         self.errors = Counter(p + "errors", "Failed calls and failed batch items, by gRPC status code", ["code"])
         self.active_sequences = Gauge(p + "active_sequences", "Live sequences (state slots in use)")
         self.expired = Counter(p + "idle_expired", "Sequences released by the idle sweep")
+        # read when scraped (VerifierServer points it at its direct port); 0 without one
+        self.direct_connections = Gauge(p + "direct_connections", "Open connections on the direct port "
+                                        "(--direct-port): engines whose steps take it")
 
     def call(self, stages: dict[str, float]) -> None:
         """Record one Verify call or stream message: milliseconds by stage (keys from CALL_STAGES)."""

@@ -340,6 +340,8 @@ class VerifierServer:
             self.direct = DirectServer(direct_address, servicer.direct_methods(), auth_token=auth_token,
                                        thread_context=torch.inference_mode, poll_s=direct_poll_s).start()
             servicer.direct_port = self.direct.port
+            direct = self.direct
+            metrics().direct_connections.set_function(lambda: direct.connections)
         self.server.start()
         self.port = self.server.port
         self.direct_port = self.direct.port if self.direct is not None else None

@@ -23,10 +23,10 @@ PROMPT_TEXT = "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    prin
 
 
 def verifier(model_dir, port: int = 0, max_sequences: int = 6, prefix: Sequence[str] = (), host: str = "127.0.0.1",
-             name: str = "verifier") -> Child:
+             name: str = "verifier", extra: Sequence[str] = ()) -> Child:
     return Child(["verifier", "--model", model_dir, "--device", "cpu", "--host", host, "--port", port,
                   "--max-sequences", max_sequences, "--max-tree-nodes", MAX_TREE_NODES,
-                  "--max-sequence-length", MAX_SEQUENCE_LENGTH, "--batch-window-ms", "1"], name, prefix=prefix)
+                  "--max-sequence-length", MAX_SEQUENCE_LENGTH, "--batch-window-ms", "1", *extra], name, prefix=prefix)
 
 
 def drafter(model_dir=None, port: int = 0, prefix: Sequence[str] = (), host: str = "127.0.0.1") -> Child:

@@ -48,6 +48,9 @@ class Services:
         vip = self.v_host.address if self.v_host else "127.0.0.1"
         dip = self.d_host.address if self.d_host else "127.0.0.1"
         self.verifiers = [f"{vip}:{stack.free_port()}" for _ in range(2)]
+        # the first replica also serves its direct port, which its engine then takes (the second
+        # serves VerifyStream on gRPC only); its metrics say how many connections the port holds
+        self.direct_metrics = f"http://{vip}:{stack.free_port()}/metrics"
         self.drafter = f"{dip}:{stack.free_port()}"
         self.children = {}
 
@@ -56,7 +59,9 @@ class Services:
 
     def start_verifier(self, i: int):
         port = self.verifiers[i].rsplit(":", 1)[1]
-        self.children[f"v{i}"] = c = stack.verifier(self.target, port=port, name=f"verifier-{i}",
+        extra = () if i else ("--direct-port", str(stack.free_port()),
+                              "--metrics-port", self.direct_metrics.rsplit(":", 1)[1].split("/")[0])
+        self.children[f"v{i}"] = c = stack.verifier(self.target, port=port, name=f"verifier-{i}", extra=extra,
                                                     **self._where(self.v_host))
         return c
 
@@ -147,6 +152,19 @@ def test_replicas_share_load(services, client, reference, prompt):
         assert res.token_ids == reference.generate(p, 16)
     after = [stack.verifier_stats(v).forward_passes for v in services.verifiers]
     assert all(a - b >= 4 for a, b in zip(after, before)), (before, after)
+
+
+def test_the_engine_of_a_replica_with_a_direct_port_takes_it(services):
+    """Replica 0 advertises a direct port and its engine (in its Ray actor, across the network
+    link when there is one) holds a connection to it; replica 1 advertises none. Both served the
+    load-sharing test's requests with the reference's tokens."""
+    import urllib.request
+
+    assert stack.verifier_stats(services.verifiers[0]).direct_port > 0
+    assert stack.verifier_stats(services.verifiers[1]).direct_port == 0
+    text = urllib.request.urlopen(services.direct_metrics, timeout=10).read().decode()
+    [line] = [ln for ln in text.splitlines() if ln.startswith("treeserve_verifier_direct_connections ")]
+    assert float(line.split()[1]) >= 1, line
 
 
 def test_drafter_killed_mid_generation(services, client, reference, prompt):

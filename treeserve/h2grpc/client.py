@@ -18,14 +18,16 @@ import hpack
 
 from treeserve.h2grpc import frames as f
 from treeserve.h2grpc.peer import Peer, StreamReset
+from treeserve.server import MAX_MESSAGE_BYTES
 from treeserve.stream_session import StreamError
 
 CONNECT_TIMEOUT_S = 10.0
 
 
-def _status(code: int) -> grpc.StatusCode:
+def _status(value: str) -> grpc.StatusCode:
+    """A `grpc-status` header's code (UNKNOWN when missing or not a code)."""
     for status in grpc.StatusCode:
-        if status.value[0] == code:
+        if str(status.value[0]) == value:
             return status
     return grpc.StatusCode.UNKNOWN
 
@@ -71,7 +73,6 @@ class DirectStreamSession:
         self._conn: _Connection | None = None
         self._sid: int | None = None
         self._messages: f.MessageBuffer | None = None
-        self._responded = False
         self.error: grpc.RpcError | None = None
         self._closed = False
 
@@ -142,8 +143,7 @@ class DirectStreamSession:
         conn.peer.open_stream(sid)
         conn.peer.queue_headers(sid, headers, end_stream=False)
         self._sid = sid
-        self._messages = f.MessageBuffer(1 << 30)
-        self._responded = False
+        self._messages = f.MessageBuffer(MAX_MESSAGE_BYTES)
 
     def _response(self, deadline: float | None, timeout: float | None) -> bytes:
         """Read frames until this stream's next message, by `deadline` (time.monotonic(); None: no
@@ -166,7 +166,11 @@ class DirectStreamSession:
                 peer.received(stream, flow, stream_open=stream == sid and not flags & f.END_STREAM)
                 if stream != sid:
                     continue
-                messages = self._messages.feed(payload)
+                try:
+                    messages = self._messages.feed(payload)
+                except (f.MessageTooLarge, ValueError) as exc:
+                    raise StreamError(grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(exc, f.MessageTooLarge)
+                                      else grpc.StatusCode.INTERNAL, f"response: {exc}") from None
                 if messages:
                     if len(messages) > 1:
                         raise StreamError(grpc.StatusCode.INTERNAL, "more than one response to a request")
@@ -180,7 +184,7 @@ class DirectStreamSession:
                 if flags & f.END_STREAM:
                     self._sid = None  # the server ended the stream
                     peer.forget(sid)
-                    code = _status(int(headers.get("grpc-status", grpc.StatusCode.UNKNOWN.value[0])))
+                    code = _status(headers.get("grpc-status", ""))
                     message = f.decode_status_message(headers.get("grpc-message", ""))
                     if code == grpc.StatusCode.OK:
                         raise StreamError(grpc.StatusCode.UNKNOWN, "the server ended the stream without a response")

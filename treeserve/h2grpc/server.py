@@ -28,12 +28,12 @@ import hpack
 from treeserve.errors import ServeError, status_of
 from treeserve.h2grpc import frames as f
 from treeserve.h2grpc.peer import Peer, StreamReset
+from treeserve.server import MAX_MESSAGE_BYTES  # the main port's limit, in both directions
 
 log = logging.getLogger(__name__)
 
 MAX_CONCURRENT_STREAMS = 100
 MAX_CONNECTIONS = 256  # each has a thread of its own; more are refused (GOAWAY ENHANCE_YOUR_CALM)
-MAX_MESSAGE_BYTES = 4 << 20  # grpcio's default receive limit
 # How long a connection's thread polls for the next request before it sleeps (frames.FrameReader):
 # a step loop's next request comes within this, at the cost of a busy core for as long
 POLL_SECONDS = 0.0005
@@ -372,8 +372,6 @@ class _Connection:
             if not isinstance(exc, ServeError):
                 log.exception("h2grpc handler failed on %s", stream.call.metadata.get(":path"))
             self._finish(sid, exc)
-            return False
-        if sid not in self.streams:  # reset while it ran
             return False
         peer = self.peer
         if not stream.headers_sent:

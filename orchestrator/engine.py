@@ -133,8 +133,7 @@ class Engine:
         self._channel = None
         # VerifyStream (on the verifier's direct port when it has one); None: the verifier has none
         self._stream: Optional[StreamSession | DirectStreamSession] = None
-        self._stub = self._connect(config.connect_timeout_s)
-        self.info = VerifierInfo.from_proto(self._stub.Stats(pb.StatsRequest(), timeout=10.0))
+        self.info = VerifierInfo.from_proto(self._connect(config.connect_timeout_s))
         self.eos = frozenset(self.info.eos_token_ids)
         self.outbox = Outbox()
         self.cost = CostModel()
@@ -461,7 +460,7 @@ class Engine:
 
     def _probe(self) -> None:
         try:
-            self._connect(1.0).Stats(pb.StatsRequest(), timeout=1.0)
+            self._connect(1.0)
         except (grpc.RpcError, grpc.FutureTimeoutError):
             waited = time.monotonic() - self._down_since
             if waited > self.config.replica_timeout_s:
@@ -483,8 +482,10 @@ class Engine:
 
     def _connect(self, timeout: float):
         """A fresh channel: after a restart it connects at once instead of waiting out gRPC's
-        reconnect backoff on the old one. The Verify stream goes with the old channel; the next
-        step opens one on the new (and so asks a restarted verifier again for VerifyStream)."""
+        reconnect backoff on the old one. Returns the verifier's Stats (pb.VerifierStats), which
+        shows that it answers; only then do the new channel and stream replace the old ones. The
+        Verify stream goes with the old channel; the next step opens one on the new (and so asks a
+        restarted verifier again for VerifyStream, and for its direct port)."""
         deadline = time.monotonic() + timeout
         while True:
             channel = make_channel(self.config.verifier, self.config.service_token)
@@ -495,22 +496,24 @@ class Engine:
                 channel.close()
                 if time.monotonic() >= deadline:
                     raise
+        stub = pbg.VerifierStub(channel)
+        try:
+            stats = stub.Stats(pb.StatsRequest(), timeout=min(10.0, timeout))
+        except grpc.RpcError:
+            channel.close()
+            raise
         if self._stream is not None:
             self._stream.close()
         if self._channel is not None:
             self._channel.close()
         self._channel = channel
-        self._stub = pbg.VerifierStub(channel)
-        self._stream = self._stream_session()
-        return self._stub
+        self._stub = stub
+        self._stream = self._stream_session(stats.direct_port)
+        return stats
 
-    def _stream_session(self) -> StreamSession | DirectStreamSession:
-        """The session for VerifyStream: on the verifier's direct port when it advertises one that
-        answers (a round trip with no grpcio threads at either end), else on the channel."""
-        try:
-            port = self._stub.Stats(pb.StatsRequest(), timeout=10.0).direct_port
-        except grpc.RpcError:
-            port = 0
+    def _stream_session(self, port: int) -> StreamSession | DirectStreamSession:
+        """The session for VerifyStream: on the verifier's direct `port` (0: none) when it answers
+        (a round trip with no grpcio threads at either end), else on the channel."""
         if port:
             address = f"{self.config.verifier.rpartition(':')[0]}:{port}"
             session = DirectStreamSession(address, VERIFY_STREAM_PATH, pb.VerifyRequest.SerializeToString,

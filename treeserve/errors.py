@@ -35,6 +35,10 @@ class Unavailable(ServeError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Unimplemented(ServeError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a client should see for `exc`."""
     if isinstance(exc, ServeError):

@@ -6,6 +6,7 @@ import argparse
 import functools
 import inspect
 import logging
+import math
 import signal
 import threading
 from concurrent import futures
@@ -172,19 +173,26 @@ class Server:
         self._stopped.wait()
 
 
-def _grace_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value >= 0:  # refuses nan too
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
-    return value
+def number_argument(unit: str, high: float = math.inf) -> Callable[[str], float]:
+    """An argparse type: a number of `unit` in [0, high]; text, NaN and values outside are refused
+    with a message naming the unit."""
+    bounds = ">= 0" if high == math.inf else f"in [0, {high:g}]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not 0 <= value <= high:  # refuses nan too
+            raise argparse.ArgumentTypeError(f"must be a number of {unit} {bounds}, got {text!r}")
+        return value
+
+    return parse
 
 
 def add_grace_argument(p: argparse.ArgumentParser) -> None:
     """The `--shutdown-grace-s` option every treeserve server takes."""
-    p.add_argument("--shutdown-grace-s", type=_grace_seconds, default=GRACE_SECONDS, metavar="S",
+    p.add_argument("--shutdown-grace-s", type=number_argument("seconds"), default=GRACE_SECONDS, metavar="S",
                    help="on SIGTERM/SIGINT, let calls in flight finish for up to S seconds (open streams end at "
                         f"their next message; default {GRACE_SECONDS:g})")
 

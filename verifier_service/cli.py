@@ -7,7 +7,7 @@ import pathlib
 
 from treeserve import cores
 from treeserve.h2grpc.server import POLL_SECONDS
-from treeserve.server import GRACE_SECONDS, add_grace_argument
+from treeserve.server import GRACE_SECONDS, add_grace_argument, number_argument
 from verifier_service.limits import Limits
 
 log = logging.getLogger("treeserve.verifier")
@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--direct-port", type=int, default=None,
                    help="also serve Verify and VerifyStream on this port without grpcio's threads (a shorter round "
                         "trip per step; 0 picks a free port; default: off). See docs/internals.md")
-    p.add_argument("--direct-poll-us", type=_microseconds, default=POLL_SECONDS * 1e6, metavar="US",
+    p.add_argument("--direct-poll-us", type=number_argument("microseconds", 1e6), default=POLL_SECONDS * 1e6, metavar="US",
                    help="how long a direct-port connection polls for its next request before it sleeps (a busy "
                         f"core meanwhile, a faster next step; 0: never; default {POLL_SECONDS * 1e6:g})")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
@@ -44,16 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "serving; off: eager forwards")
     cores.add_argument(p)
     add_grace_argument(p)
-
-
-def _microseconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 <= value <= 1e6:  # refuses nan too
-        raise argparse.ArgumentTypeError(f"must be a number of microseconds in [0, 1e6], got {text!r}")
-    return value
 
 
 def limits_from(args: argparse.Namespace) -> Limits:

@@ -105,21 +105,15 @@ class FrameReader:
         return out
 
     def _fill(self, n: int) -> None:
-        if self.poll_s and len(self._buf) < n:
-            end = time.perf_counter() + self.poll_s
-            while len(self._buf) < n and time.perf_counter() < end:
-                try:
-                    chunk = self._sock.recv(max(65536, n - len(self._buf)), socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    continue
-                except OSError as exc:
-                    raise ConnectionClosed(str(exc)) from exc
-                if not chunk:
-                    raise ConnectionClosed("the peer closed the connection")
-                self._buf += chunk
+        if len(self._buf) >= n:
+            return
+        poll_end = time.perf_counter() + self.poll_s if self.poll_s else 0.0
         while len(self._buf) < n:
+            polling = poll_end and time.perf_counter() < poll_end
             try:
-                chunk = self._sock.recv(max(65536, n - len(self._buf)))
+                chunk = self._sock.recv(max(65536, n - len(self._buf)), socket.MSG_DONTWAIT if polling else 0)
+            except BlockingIOError:  # polling, nothing yet
+                continue
             except TimeoutError:
                 raise  # the caller's deadline: what was read stays buffered
             except OSError as exc:

@@ -25,7 +25,8 @@ from typing import Callable
 import grpc
 import hpack
 
-from treeserve.errors import ServeError, status_of
+from treeserve.errors import (ResourceExhausted, ServeError, Unauthenticated, Unavailable, Unimplemented,
+                              status_of)
 from treeserve.h2grpc import frames as f
 from treeserve.h2grpc.peer import Peer, StreamReset
 from treeserve.server import MAX_MESSAGE_BYTES  # the main port's limit, in both directions
@@ -38,13 +39,6 @@ MAX_CONNECTIONS = 256  # each has a thread of its own; more are refused (GOAWAY 
 # a step loop's next request comes within this, at the cost of a busy core for as long
 POLL_SECONDS = 0.0005
 
-
-class Refused(ServeError):
-    """A call this server will not run; `code` says why."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -245,7 +239,7 @@ class _Connection:
     def _end_open_streams(self) -> None:
         for sid in list(self.streams):
             try:
-                self._finish(sid, Refused(grpc.StatusCode.UNAVAILABLE, "the server is shutting down"))
+                self._finish(sid, Unavailable("the server is shutting down"))
             except (f.ConnectionClosed, OSError):
                 return
         try:
@@ -317,10 +311,10 @@ class _Connection:
         self.peer.open_stream(sid)
         self.streams[sid] = stream = _Stream(method, Call(self, sid, meta, deadline), self.server.max_message_bytes)
         if self.server._auth is not None and meta.get("authorization") != self.server._auth:
-            self._finish(sid, Refused(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token"))
+            self._finish(sid, Unauthenticated("missing or wrong bearer token"))
         elif method is None:
-            self._finish(sid, Refused(grpc.StatusCode.UNIMPLEMENTED,
-                                      f"method {meta[':path']} is not served on this port (the main port serves it)"))
+            self._finish(sid, Unimplemented(f"method {meta[':path']} is not served on this port (the main port "
+                                            "serves it)"))
         elif flags & f.END_STREAM:
             self._half_close(sid, stream)
 
@@ -335,10 +329,10 @@ class _Connection:
         try:
             messages = stream.messages.feed(payload)
         except f.MessageTooLarge as exc:
-            self._finish(sid, Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)))
+            self._finish(sid, ResourceExhausted(str(exc)))
             return
         except ValueError as exc:
-            self._finish(sid, Refused(grpc.StatusCode.UNIMPLEMENTED, str(exc)))
+            self._finish(sid, Unimplemented(str(exc)))
             return
         for message in messages:
             if stream.method.streaming:
@@ -347,7 +341,7 @@ class _Connection:
             else:
                 stream.requests.append(message)
                 if len(stream.requests) > 1:
-                    self._finish(sid, Refused(grpc.StatusCode.INTERNAL, "a unary call with more than one request"))
+                    self._finish(sid, ServeError("a unary call with more than one request"))
                     return
         if flags & f.END_STREAM:
             self._half_close(sid, stream)
@@ -356,11 +350,11 @@ class _Connection:
         stream.half_closed = True
         if stream.method.streaming:
             if not stream.messages.empty:
-                self._finish(sid, Refused(grpc.StatusCode.INTERNAL, "the stream ended inside a message"))
+                self._finish(sid, ServeError("the stream ended inside a message"))
             else:
                 self._finish(sid, None)
         elif len(stream.requests) != 1 or not stream.messages.empty:
-            self._finish(sid, Refused(grpc.StatusCode.INTERNAL, "a unary call needs exactly one request"))
+            self._finish(sid, ServeError("a unary call needs exactly one request"))
         elif self._answer(sid, stream, stream.requests[0]):
             self._finish(sid, None)
 

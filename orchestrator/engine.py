@@ -43,7 +43,7 @@ from treeserve.stream_session import StreamSession
 from treeserve.tree import TokenTree, tree_to_proto
 from treeserve.v1 import treeserve_pb2 as pb
 from treeserve.v1 import treeserve_pb2_grpc as pbg
-from verifier_service.client import VERIFY_STREAM_PATH
+from verifier_service.client import direct_verify_stream
 
 log = logging.getLogger("treeserve.orchestrator.engine")
 
@@ -516,9 +516,7 @@ class Engine:
         (a round trip with no grpcio threads at either end), else on the channel."""
         if port:
             address = f"{self.config.verifier.rpartition(':')[0]}:{port}"
-            session = DirectStreamSession(address, VERIFY_STREAM_PATH, pb.VerifyRequest.SerializeToString,
-                                          pb.VerifyResponse.FromString, timeout=self.config.verify_timeout_s,
-                                          auth_token=self.config.service_token)
+            session = direct_verify_stream(address, self.config.verify_timeout_s, self.config.service_token)
             try:
                 return session.connect()
             except grpc.RpcError as exc:

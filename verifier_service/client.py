@@ -23,6 +23,15 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 VERIFY_STREAM_PATH = f"/{pb.DESCRIPTOR.services_by_name['Verifier'].full_name}/VerifyStream"
 
 
+def direct_verify_stream(address: str, timeout: float | None = None,
+                         auth_token: str | None = None) -> DirectStreamSession:
+    """VerifyStream on a verifier's direct port at `address` ("host:port"; `treeserve verifier
+    --direct-port`, treeserve.h2grpc), with StreamSession's contract: `timeout` bounds each
+    response's wait. It opens its own connection."""
+    return DirectStreamSession(address, VERIFY_STREAM_PATH, pb.VerifyRequest.SerializeToString,
+                               pb.VerifyResponse.FromString, timeout, auth_token=auth_token)
+
+
 @dataclass(frozen=True)
 class CommitSpec:
     """Commit the last verified tree (built on `committed_length`) along `accepted_nodes`."""
@@ -143,8 +152,7 @@ class VerifierClient:
         """`verify_stream` on the verifier's direct port at `address` (`treeserve verifier
         --direct-port`; treeserve.h2grpc): the same contract, with a round trip that passes no
         message between threads at either end. It opens its own connection."""
-        return DirectStreamSession(address, VERIFY_STREAM_PATH, pb.VerifyRequest.SerializeToString,
-                                   pb.VerifyResponse.FromString, self._t(timeout), auth_token=self._auth_token)
+        return direct_verify_stream(address, self._t(timeout), self._auth_token)
 
     def verify(self, items: Sequence[VerifyItem], timeout: float | None = None) -> VerifyReply:
         r = self.verify_raw(pb.VerifyRequest(items=[it.to_proto() for it in items]), timeout)

@@ -17,7 +17,11 @@ loop stops, every selected node's path probability is at least that of every can
 (the children of selected nodes): the result is exactly best-first.
 
 When sampling, children are draws without replacement and must be a prefix of the draw order; a
-child's ranking score is capped by its earlier-drawn sibling's (see `NodeSet.add_children`).
+child's ranking score is capped by its earlier-drawn sibling's (see `NodeSet.add_children`). A drawn
+child is ranked by its place in the draw (the k-th draw by q's k-th largest probability), not by the
+token it drew: the tree is then the best-first tree of what the draws are expected to give, and
+whether a draw is kept never depends on its own token, which exact multi-draft acceptance needs
+(`nodes.rank_logq`).
 """
 from __future__ import annotations
 

@@ -23,7 +23,9 @@ class Node:
     token: int
     depth: int
     logp: float  # cumulative draft log-probability of the path
-    score: float  # ranking key: logp, made non-increasing along each parent's draw order
+    # ranking key: the parent's plus `rank_logq` (logp itself, unless the children were drawn),
+    # non-increasing along each parent's draw order
+    score: float
 
 
 class NodeSet:
@@ -38,16 +40,17 @@ class NodeSet:
     def add_children(self, parent: int, children: Children, count: int | None = None) -> list[int]:
         """Create nodes for the first `count` candidates (all when None) of `parent`; returns ids.
 
-        A child's score is capped by its earlier-drawn sibling's, so ranking by score never prefers
-        a later draw over an earlier one (children must form a prefix of the draw order)."""
+        A child's score is its parent's plus `rank_logq` of its place among the candidates, capped
+        by its earlier sibling's, so ranking by score never prefers a later draw over an earlier
+        one (children must form a prefix of the draw order)."""
         p = self.nodes[parent]
         self.expanded.add(parent)
         if children.dist is not None:
             self.dists[parent] = children.dist
         ids, cap = [], math.inf
-        for tok, lq in list(zip(children.tokens, children.logq))[:count]:
+        for tok, lq, rank_lq in list(zip(children.tokens, children.logq, rank_logq(children)))[:count]:
             logp = p.logp + lq
-            cap = min(cap, p.score + lq)
+            cap = min(cap, p.score + rank_lq)
             node = Node(len(self.nodes), parent, int(tok), p.depth + 1, logp, cap)
             self.nodes.append(node)
             ids.append(node.id)
@@ -73,3 +76,20 @@ class NodeSet:
             return Draft(tree, logp)
         draft = tuple(self.dists[n] if n in has_kids else None for n in order)
         return Draft(TokenTree(tree.tokens, tree.parents, draft), logp)
+
+
+def rank_logq(children: Children) -> tuple[float, ...]:
+    """The log-probability each candidate is ranked by: its own for top-k children (greedy, ranked),
+    and for the k-th of children drawn from q (multi-draft sampling) the k-th largest probability
+    of q, whichever token the draw gave.
+
+    Multi-draft acceptance is exact only if whether a node gets its k-th drawn child depends on
+    nothing but what came before that draw (its ancestors, its earlier-drawn siblings and their
+    subtrees), never on the token the draw gave. Ranking a draw by its own q would keep
+    high-probability draws more often than q draws them, and the verifier's output would drift
+    from the target's distribution towards the draft's."""
+    if children.dist is None:
+        return children.logq
+    largest = sorted((p for p in children.dist.probs if p > 0.0), reverse=True)
+    return tuple(math.log(p) for p in largest[: len(children.tokens)])
+

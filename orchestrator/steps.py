@@ -10,18 +10,25 @@ from orchestrator.request import EOS, LENGTH, RequestState
 
 
 def fit_tree(tree: TokenTree, max_nodes: int, max_depth: int) -> tuple[TokenTree, tuple[int, ...] | None]:
-    """The largest part of `tree` with at most `max_nodes` nodes (a prefix in node order) and no
-    node deeper than `max_depth`, and the original index of each kept node (None when nothing was
-    cut). Both cuts keep every kept node's parent, and a prefix in node order keeps each node's
-    children a prefix of their draw order, so multi-draft acceptance stays exact on the result."""
+    """The largest part of `tree` with no node deeper than `max_depth` and at most `max_nodes` nodes
+    (of those, a prefix in node order), and the original index of each kept node (None when
+    nothing was cut). Both cuts keep every kept node's parent and each node's children a prefix of
+    their draw order.
+
+    The depth cut keeps the draft distributions: whether it keeps a node depends on the node's
+    depth alone. A cut by node count drops them, so the verifier samples from the target alone
+    (exact for any tree): a node's place in node order can depend on the tokens drawn for it and
+    its descendants (they rank other nodes in or out of a dynamic tree), and multi-draft acceptance
+    is exact only when keeping a drawn child never depends on the token drawn."""
     depths = tree.depths()
-    keep = [i for i in range(min(tree.size, max(1, max_nodes))) if depths[i] <= max(0, max_depth)]
+    shallow = [i for i in range(tree.size) if depths[i] <= max(0, max_depth)]
+    keep = shallow[: max(1, max_nodes)]
     if len(keep) == tree.size:
         return tree, None
     new_index = {old: new for new, old in enumerate(keep)}
     parents = tuple(-1 if i == 0 else new_index[tree.parents[i]] for i in keep)
     draft = None
-    if tree.draft is not None:
+    if tree.draft is not None and len(keep) == len(shallow):
         draft = tuple(tree.draft[i] for i in keep)
     return TokenTree(tuple(tree.tokens[i] for i in keep), parents, draft), tuple(keep)
 

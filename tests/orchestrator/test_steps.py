@@ -52,6 +52,20 @@ def test_fit_tree_keeps_draft_distributions():
     fitted.validate(100, 64)  # a leaf may keep its distribution
 
 
+def test_fit_tree_by_node_count_drops_draft_distributions():
+    q = SparseDist((11, 12), (0.6, 0.4), 0.0)
+    tree = TokenTree((10, 11, 12, 13), (-1, 0, 0, 2), (q, None, SparseDist((13,), (1.0,), 0.0), None))
+    fitted, kept = fit_tree(tree, 3, 9)
+    assert kept == (0, 1, 2) and fitted.draft is None  # target-only acceptance: exact for any cut
+    fitted, kept = fit_tree(tree, 3, 1)  # the depth cut alone leaves 3 nodes: distributions kept
+    assert kept == (0, 1, 2) and fitted.draft == (q, None, SparseDist((13,), (1.0,), 0.0))
+
+
+def test_fit_tree_fills_the_node_budget_after_the_depth_cut():
+    fitted, kept = fit_tree(TREE, 6, 2)  # node 6 is too deep; the other six fit
+    assert kept == (0, 1, 2, 3, 4, 5)
+
+
 def test_outcome_in_original_indices():
     _, kept = fit_tree(TREE, 16, 1)
     assert in_original(Outcome((0, 2), 99), kept) == Outcome((0, 2), 99)

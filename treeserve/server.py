@@ -82,6 +82,63 @@ def client_requests(request_iterator: Iterable, stopping: threading.Event | None
         return
 
 
+def with_raw_requests(register: Callable, methods: Iterable[str]) -> Callable:
+    """A generated `add_XServicer_to_server` that hands the named methods' requests to the
+    servicer as bytes, unparsed (no request deserializer), for the servicer to parse itself:
+    grpcio answers a request its deserializer rejects with INTERNAL ("Exception deserializing
+    request!"), where a request that does not parse is the client's error, which the servicer
+    can report as such (INVALID_ARGUMENT). Every other method is registered as generated."""
+    raw = frozenset(methods)
+
+    def add(servicer, server) -> None:
+        stand_in = _RawRequestRegistration(server, raw)
+        register(servicer, stand_in)
+        if not stand_in.registered:  # generated code of another shape: say so, rather than serve nothing
+            raise RuntimeError(f"{getattr(register, '__name__', register)} did not register its methods by name")
+
+    return add
+
+
+class _RawRequestRegistration:
+    """The server as a generated registration sees it: what it registers goes on to the real
+    server, with the request deserializers of the `raw` methods taken off."""
+
+    def __init__(self, server: grpc.Server, raw: frozenset[str]):
+        self._server = server
+        self._raw = raw
+        self.registered = False
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        """Dropped: generated code registers the same handlers by name as well, as a dict of them
+        (`add_registered_method_handlers`), the form in which they can be changed; both forms are
+        registered from there."""
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        missing = self._raw - handlers.keys()
+        if missing:
+            raise ValueError(f"{service} has no method {sorted(missing)}")
+        handlers = {name: _unparsed(handler) if name in self._raw else handler for name, handler in handlers.items()}
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        self._server.add_registered_method_handlers(service, handlers)
+        self.registered = True
+
+
+# a method handler's kind (request_streaming, response_streaming) -> its factory and behaviour's name
+_HANDLER_KINDS = {
+    (False, False): (grpc.unary_unary_rpc_method_handler, "unary_unary"),
+    (False, True): (grpc.unary_stream_rpc_method_handler, "unary_stream"),
+    (True, False): (grpc.stream_unary_rpc_method_handler, "stream_unary"),
+    (True, True): (grpc.stream_stream_rpc_method_handler, "stream_stream"),
+}
+
+
+def _unparsed(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """`handler` with its requests handed over as bytes (no request deserializer)."""
+    factory, behaviour = _HANDLER_KINDS[handler.request_streaming, handler.response_streaming]
+    return factory(getattr(handler, behaviour), request_deserializer=None,
+                   response_serializer=handler.response_serializer)
+
+
 class BearerTokenAuth(grpc.ServerInterceptor):
     """Refuse calls without `authorization: Bearer <token>` (UNAUTHENTICATED). Health checks pass.
 

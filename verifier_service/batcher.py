@@ -19,7 +19,9 @@ during a window runs right after that window's forward.
 
 Items whose caller has gone away (deadline passed, cancelled) are dropped before they reach the
 model. A batch never holds one sequence twice, and never more than `max_batch` trees or
-`max_batch_nodes` nodes: whatever does not fit waits for the next forward.
+`max_batch_nodes` nodes: whatever does not fit waits for the next forward. An unexpected exception
+while running one entry (a bug) is answered to that entry's callers as INTERNAL and logged; the
+thread running the model carries on with the next one.
 
 Each reply carries where its request's time went on the model side (`Timing`), so the servicer can
 report the split of a call (metrics) without timing anything itself.
@@ -353,10 +355,11 @@ class Batcher:
             return self._queue.popleft()
 
     def _take(self, timeout: float) -> object | None:
-        """For the holder gathering a batch: the next queued entry, waiting up to `timeout` s."""
+        """For the holder gathering a batch: the next queued entry, waiting up to `timeout` s
+        (capped at what a lock wait accepts: beyond it, Condition.wait raises OverflowError)."""
         with self._lock:
             if not self._queue and timeout > 0:
-                self._arrival.wait_for(lambda: bool(self._queue), timeout)
+                self._arrival.wait_for(lambda: bool(self._queue), min(timeout, threading.TIMEOUT_MAX))
             return self._queue.popleft() if self._queue else None
 
     def _put_back(self, entries: list) -> None:
@@ -364,10 +367,18 @@ class Batcher:
             self._queue.extendleft(reversed(entries))
 
     def _run(self, entry) -> None:
-        if isinstance(entry, _Op):
-            self._run_op(entry)
-        elif isinstance(entry, _Item):
-            self._run_batch(entry)
+        """Run one queued entry: an operation, or a forward led by this Verify item. An exception
+        that escapes (a bug: the engine's own failures are answered to their callers already) is
+        logged and answered to the entry's caller, as INTERNAL, and the thread carries on: the
+        model thread must outlive any one request, or every later one would wait for ever."""
+        try:
+            if isinstance(entry, _Op):
+                self._run_op(entry)
+            elif isinstance(entry, _Item):
+                self._run_batch(entry)
+        except Exception as exc:  # noqa: BLE001 - see above
+            log.exception("verifier: queued work failed; its caller gets INTERNAL")
+            self._fail_unanswered(entry, exc)
 
     # ---- the model thread -----------------------------------------------------------------
     def _loop(self) -> None:
@@ -400,39 +411,55 @@ class Batcher:
             log.exception("idle sweep failed")
 
     def _run_op(self, op: _Op) -> None:
-        if not op.alive():
-            op.future.set_exception(Cancelled("the caller went away before the operation ran"))
-            return
         try:
+            if not op.alive():
+                op.future.set_exception(Cancelled("the caller went away before the operation ran"))
+                return
             op.future.set_result(op.fn(*op.args))
         except Exception as exc:  # noqa: BLE001 - handed to the caller
             op.future.set_exception(exc)
 
     def _run_batch(self, first: _Item) -> None:
         batch: list[_Item] = []
+        later: list = []  # entries taken meanwhile that wait for after this forward
+        try:
+            self._gather(first, batch, later)
+        except Exception as exc:
+            # taken off the queue for this forward, which will not run: answered, not lost
+            for it in batch:
+                self._fail_unanswered(it, exc)
+            raise
+        finally:
+            if later:
+                self._put_back(later)
+        if batch:
+            self._last_batch = {it.work.sequence_id: it.job.number for it in batch}
+            self._forward(batch)
+
+    def _gather(self, first: _Item, batch: list[_Item], later: list) -> None:
+        """Take queued entries into `batch` (this forward's items, `first` leading) and `later`
+        (the rest: operations, items that do not fit, the stop marker), waiting within the batching
+        window while company is expected. Items whose caller is gone are answered on the way."""
         names: set[str] = set()
         nodes = 0
-        later: list = []  # entries taken meanwhile that wait for after this forward
         # the window opens when this batch can start: for an item that arrived while the model was
         # busy, that is now (else clients that fell out of step, each arriving during the other's
         # forward, would never share one again)
         window_end = max(first.job.arrived, self._clock()) + self.limits.batch_window_ms / 1e3
         entry = first
         while True:
-            if isinstance(entry, _Item):
+            if not isinstance(entry, _Item):
+                later.append(entry)
+                if entry is _STOP:
+                    break
+            elif not self._answered_early(entry):
                 w = entry.work
-                if not entry.job.alive():
-                    entry.job.deliver(entry.index, ItemOutput(error=Cancelled("the caller went away")))
-                elif w.sequence_id in names or nodes + w.tree.size > self.limits.max_batch_nodes:
+                if w.sequence_id in names or nodes + w.tree.size > self.limits.max_batch_nodes:
                     later.append(entry)
                 else:
                     batch.append(entry)
                     names.add(w.sequence_id)
                     nodes += w.tree.size
-            else:
-                later.append(entry)
-                if entry is _STOP:
-                    break
             if len(batch) >= self.limits.max_batch:
                 break
             entry = self._take(0.0)  # whatever is queued already joins
@@ -442,11 +469,21 @@ class Batcher:
                 entry = self._take(window_end - self._clock())
                 if entry is None:
                     break
-        if later:
-            self._put_back(later)
-        if batch:
-            self._last_batch = {it.work.sequence_id: it.job.number for it in batch}
-            self._forward(batch)
+
+    @staticmethod
+    def _answered_early(item: _Item) -> bool:
+        """Answer `item` at once, and say so, when it must not reach the model: its caller has gone
+        away (CANCELLED), or asking that failed (INTERNAL; `alive` is the caller's code, and its
+        bug must not take the model thread down)."""
+        try:
+            if item.job.alive():
+                return False
+            error: Exception = Cancelled("the caller went away")
+        except Exception as exc:  # noqa: BLE001 - handed to that caller
+            log.exception("verifier: a caller's liveness check failed")
+            error = exc
+        item.job.deliver(item.index, ItemOutput(error=error))
+        return True
 
     def _complete(self, names: set[str]) -> bool:
         """Whether waiting for more items is pointless. Company is expected only from a sequence of
@@ -490,3 +527,11 @@ class Batcher:
             entry.future.set_exception(exc)
         elif isinstance(entry, _Item):
             entry.job.deliver(entry.index, ItemOutput(error=exc))
+
+    @classmethod
+    def _fail_unanswered(cls, entry, exc: BaseException) -> None:
+        """`_fail`, unless the entry's caller has its answer already (a failure after it went out)."""
+        answered = (entry.future.done() if isinstance(entry, _Op)
+                    else isinstance(entry, _Item) and entry.job.outputs[entry.index] is not None)
+        if not answered:
+            cls._fail(entry, exc)

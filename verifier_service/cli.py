@@ -8,7 +8,7 @@ import pathlib
 from treeserve import cores
 from treeserve.h2grpc.server import POLL_SECONDS
 from treeserve.server import GRACE_SECONDS, add_grace_argument, number_argument
-from verifier_service.limits import Limits
+from verifier_service.limits import MAX_BATCH_WINDOW_MS, Limits
 
 log = logging.getLogger("treeserve.verifier")
 
@@ -27,10 +27,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sequences", type=int, default=d.max_sequences, help="live sequences = state slots")
     p.add_argument("--max-tree-nodes", type=int, default=d.max_tree_nodes, help="nodes per tree")
     p.add_argument("--max-sequence-length", type=int, default=d.max_sequence_length, help="tokens per sequence")
-    p.add_argument("--batch-window-ms", type=float, default=d.batch_window_ms, help="how long a Verify item waits for company")
+    p.add_argument("--batch-window-ms", type=number_argument("milliseconds", MAX_BATCH_WINDOW_MS),
+                   default=d.batch_window_ms, metavar="MS",
+                   help=f"how long a Verify item waits for company (at most {MAX_BATCH_WINDOW_MS:g})")
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="sequences per forward")
     p.add_argument("--max-batch-nodes", type=int, default=d.max_batch_nodes, help="tree nodes per forward")
-    p.add_argument("--idle-timeout-s", type=float, default=d.idle_timeout_s, help="release sequences idle this long (0: never)")
+    p.add_argument("--idle-timeout-s", type=number_argument("seconds"), default=d.idle_timeout_s, metavar="S",
+                   help="release sequences idle this long (0: never)")
     p.add_argument("--direct-port", type=int, default=None,
                    help="also serve Verify and VerifyStream on this port without grpcio's threads (a shorter round "
                         "trip per step; 0 picks a free port; default: off). See docs/internals.md")

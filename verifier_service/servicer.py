@@ -6,22 +6,28 @@ model directly.
 Verify and VerifyStream share one request path (`_verify`); they differ only in how a request
 arrives, how a malformed one ends the call (a status for the call, or for the whole stream) and
 when the metrics are recorded. The direct port (`treeserve.h2grpc`, `direct_methods`) serves both
-through the same path."""
+through the same path. On every port the path takes the request's bytes and parses them itself
+(`parse_verify_request`), so a request that does not parse is INVALID_ARGUMENT everywhere.
+
+A VerifyStream holds one of the main port's RPC threads for as long as it is open (grpcio's sync
+server), so the main port takes at most half its threads' worth of them (`stream_cap`); the rest
+stay for unary calls (Prefill, Commit, Stats, health), which an idle stream must never starve."""
 from __future__ import annotations
 
 import functools
 import threading
 import time
 from dataclasses import dataclass
+from typing import Iterable
 
 import grpc
 import torch
 from google.protobuf.message import DecodeError
 
-from treeserve.errors import InvalidArgument, ServeError, Unavailable, item_error, status_of
+from treeserve.errors import InvalidArgument, ResourceExhausted, ServeError, Unavailable, item_error, status_of
 from treeserve.h2grpc.server import POLL_SECONDS, DirectServer, Method
 from treeserve.sampling import Sampling
-from treeserve.server import GRACE_SECONDS, Server, client_requests, grpc_errors, on_error
+from treeserve.server import GRACE_SECONDS, Server, client_requests, grpc_errors, on_error, with_raw_requests
 from treeserve.tree import TreeError, tree_from_proto
 from treeserve.v1 import treeserve_pb2 as pb
 from treeserve.v1 import treeserve_pb2_grpc as pbg
@@ -32,6 +38,8 @@ from verifier_service.metrics import metrics
 from verifier_service.pool import LifoExecutor
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
+# The methods whose requests reach the servicer as bytes, on both ports (see `parse_verify_request`)
+RAW_REQUEST_METHODS = ("Verify", "VerifyStream")
 
 
 class DeadlineExceeded(ServeError):
@@ -64,6 +72,40 @@ def check_sequence_id(sequence_id: str) -> str:
     return sequence_id
 
 
+def parse_verify_request(message: bytes) -> pb.VerifyRequest:
+    """A VerifyRequest off the wire. Bytes that do not parse (a truncated message, a sequence_id
+    that is not UTF-8) are the client's error, INVALID_ARGUMENT; grpcio, left to parse them before
+    the handler, would answer INTERNAL ("Exception deserializing request!")."""
+    try:
+        return pb.VerifyRequest.FromString(message)
+    except DecodeError as exc:
+        raise InvalidArgument(f"VerifyRequest does not parse: {exc}") from exc
+
+
+def first_duplicate(ids: Iterable[str]) -> str | None:
+    """The first id that repeats an earlier one, or None; one pass (a request may hold many ids)."""
+    seen: set[str] = set()
+    for sid in ids:
+        if sid in seen:
+            return sid
+        seen.add(sid)
+    return None
+
+
+def rpc_threads(limits: Limits) -> int:
+    """Threads of the main port's pool: grpcio's sync server runs each call on one, and holds it
+    for the call's whole life (a VerifyStream's too). Enough for a Verify and one more call per
+    live sequence, and a few to spare."""
+    return max(32, 2 * limits.max_sequences + 8)
+
+
+def stream_cap(threads: int) -> int:
+    """Open VerifyStreams the main port takes, out of `threads` RPC threads: half of them, so the
+    other half (at least max_sequences + 4) always serves unary calls. One stream can carry every
+    sequence of a client, so even a client per sequence fits."""
+    return threads // 2
+
+
 def sampling_from(msg) -> Sampling:
     try:
         return Sampling.from_proto(msg)
@@ -81,9 +123,14 @@ class ModelInfo:
 
 
 class VerifierServicer(pbg.VerifierServicer):
-    def __init__(self, engine: Engine, batcher: Batcher, info: ModelInfo, stopping: threading.Event | None = None):
-        """stopping: the server's shutdown event; open VerifyStreams end at their next request once set."""
+    def __init__(self, engine: Engine, batcher: Batcher, info: ModelInfo, max_streams: int,
+                 stopping: threading.Event | None = None):
+        """max_streams: VerifyStreams open at once on the main port (more are RESOURCE_EXHAUSTED;
+        see `stream_cap`); stopping: the server's shutdown event; open VerifyStreams end at their
+        next request once set."""
         self._stopping = stopping
+        self.max_streams = max_streams
+        self._stream_slots = threading.BoundedSemaphore(max_streams)
         self._engine = engine
         self._batcher = batcher
         self._limits: Limits = engine.limits
@@ -163,7 +210,8 @@ class VerifierServicer(pbg.VerifierServicer):
 
     @grpc_errors
     @_counted
-    def Verify(self, request, context):
+    def Verify(self, request: bytes, context):
+        """`request`: the VerifyRequest's bytes (registered raw: RAW_REQUEST_METHODS)."""
         response, record = self._verify(request, context)
         after_reply(context, record)
         return response
@@ -171,31 +219,39 @@ class VerifierServicer(pbg.VerifierServicer):
     @grpc_errors
     @_counted
     def VerifyStream(self, request_iterator, context):
-        """One response per request, in order. A request malformed as a whole raises out of the
-        loop, and the boundary ends the stream with its status. Messages have no deadline of their
-        own (`_wait` then waits for the result); a cancelled stream stops its queued work through
-        `context.is_active`, as a cancelled call does."""
-        for request in client_requests(request_iterator, self._stopping):
-            response, record = self._verify(request, context)
-            try:
-                yield response
-            finally:
-                # gRPC resumes a response generator only once the message went out (or closes it
-                # when the stream ended first), so this is "after the reply", as for Verify; the
-                # client is by then busy with the answer, not waiting on this thread.
-                record()
+        """One response per request (each the VerifyRequest's bytes), in order. A request malformed
+        as a whole raises out of the loop, and the boundary ends the stream with its status.
+        Messages have no deadline of their own (`_wait` then waits for the result); a cancelled
+        stream stops its queued work through `context.is_active`, as a cancelled call does.
 
-    def _verify(self, request, context):
-        """Decode, verify and encode one VerifyRequest. Returns the VerifyResponse and a callable
-        that records the request's time split by stage (metrics), for the caller to run once the
-        response is on its way. Raises ServeError when the request is malformed as a whole."""
+        The stream holds an RPC thread until it ends: past `max_streams` open ones, a new stream
+        is refused (RESOURCE_EXHAUSTED) before it reads anything."""
+        if not self._stream_slots.acquire(blocking=False):
+            raise ResourceExhausted(
+                f"{self.max_streams} VerifyStreams are open, the most this verifier takes (each holds one of its "
+                "RPC threads): close one, or call Verify")
+        try:
+            for request in client_requests(request_iterator, self._stopping):
+                response, record = self._verify(request, context)
+                try:
+                    yield response
+                finally:
+                    # gRPC resumes a response generator only once the message went out (or closes
+                    # it when the stream ended first), so this is "after the reply", as for Verify;
+                    # the client is by then busy with the answer, not waiting on this thread.
+                    record()
+        finally:
+            self._stream_slots.release()
+
+    def _verify(self, message: bytes, context):
+        """Parse, decode, verify and encode one VerifyRequest (`message`: its bytes). Returns the
+        VerifyResponse and a callable that records the request's time split by stage (metrics),
+        for the caller to run once the response is on its way. Raises ServeError when the request
+        is malformed as a whole."""
         t_start = time.perf_counter()
+        request = parse_verify_request(message)
         items = request.items
-        if len(items) > 1:
-            ids = [it.sequence_id for it in items]
-            if len(set(ids)) != len(ids):
-                dup = next(s for s in ids if ids.count(s) > 1)
-                raise InvalidArgument(f"sequence {dup!r} appears more than once in one request")
+        self._check_items(items)
         errors: dict[int, BaseException] = {}
         works: list[VerifyWork] = []
         where: list[int] = []
@@ -218,6 +274,19 @@ class VerifierServicer(pbg.VerifierServicer):
         t_end = time.perf_counter()
         # everything else waits until the response is on its way
         return resp, functools.partial(self._record, reply, t_start, t_handoff, t_back, t_end)
+
+    def _check_items(self, items) -> None:
+        """Refuse a request as a whole, before any tree is decoded, when it holds more items than
+        the verifier has sequences (max_sequences; every item past that would fail anyway, after
+        its decode and a place in the queue ahead of other clients' work) or one sequence twice."""
+        limit = self._limits.max_sequences
+        if len(items) > limit:
+            raise InvalidArgument(f"{len(items)} items in one request: at most {limit} (the verifier's "
+                                  "max_sequences, its live sequences) are served")
+        if len(items) > 1:
+            dup = first_duplicate(it.sequence_id for it in items)
+            if dup is not None:
+                raise InvalidArgument(f"sequence {dup!r} appears more than once in one request")
 
     @staticmethod
     def _encode(request, reply, outputs: dict, errors: dict):
@@ -270,11 +339,7 @@ class VerifierServicer(pbg.VerifierServicer):
         try:
             if self._stopping is not None and self._stopping.is_set():
                 raise Unavailable("the verifier is shutting down")
-            try:
-                request = pb.VerifyRequest.FromString(message)
-            except DecodeError as exc:
-                raise InvalidArgument(f"VerifyRequest does not parse: {exc}") from exc
-            response, record = self._verify(request, call)
+            response, record = self._verify(message, call)
         except Exception as exc:  # counted as _counted counts the gRPC port's failures
             metrics().error(status_of(exc)[0])
             raise
@@ -330,11 +395,15 @@ class VerifierServer:
         self.batcher = Batcher(self.engine, limits, device=info.device).start()
         # RPC threads run the model themselves when it is free: they keep inference mode on for
         # good instead of entering it for every forward (see batcher._model_mode)
-        self._pool = LifoExecutor(max(32, 2 * limits.max_sequences + 8), name="verifier-rpc",
-                                  prefer=self.batcher.is_runner, context=torch.inference_mode)
+        threads = rpc_threads(limits)
+        self._pool = LifoExecutor(threads, name="verifier-rpc", prefer=self.batcher.is_runner,
+                                  context=torch.inference_mode)
         self.server = Server(address, auth_token=auth_token, executor=self._pool, grace_s=grace_s)
-        servicer = VerifierServicer(self.engine, self.batcher, info, stopping=self.server.stopping)
-        self.server.add(pbg.add_VerifierServicer_to_server, servicer, "Verifier")
+        servicer = VerifierServicer(self.engine, self.batcher, info, max_streams=stream_cap(threads),
+                                    stopping=self.server.stopping)
+        self.servicer = servicer
+        self.server.add(with_raw_requests(pbg.add_VerifierServicer_to_server, RAW_REQUEST_METHODS), servicer,
+                        "Verifier")
         self.direct: DirectServer | None = None
         if direct_address is not None:
             self.direct = DirectServer(direct_address, servicer.direct_methods(), auth_token=auth_token,

@@ -592,6 +592,8 @@ def goaway_codes(data: bytes) -> list[int]:
                  id="ping-3-bytes"),
     pytest.param(CLIENT_PREFACE + raw_frame(4, 0, 0, b"") + raw_frame(0, 0, 5, b"\x00" * 10), PROTOCOL_ERROR_CODE,
                  id="data-on-idle-stream"),
+    pytest.param(CLIENT_PREFACE + raw_frame(6, 0, 0, b"\x00" * 8), PROTOCOL_ERROR_CODE,
+                 id="preface-not-followed-by-settings"),
 ])
 def test_malformed_connection_is_closed(direct, open_channel, sent, goaway):
     with socket.create_connection(("127.0.0.1", direct.port), timeout=WAIT_S) as sock:
@@ -603,6 +605,63 @@ def test_malformed_connection_is_closed(direct, open_channel, sent, goaway):
         assert data == b""  # not HTTP/2 at all: closed without a word
     # the server is still up and serving
     assert unary(open_channel(direct.port))(b"fine", timeout=WAIT_S) == b"unary:fine"
+
+
+HANDSHAKE_S = 0.3  # a short handshake bound, for the tests that wait it out
+
+
+@pytest.mark.parametrize("sent", [
+    pytest.param(b"", id="nothing"),
+    pytest.param(CLIENT_PREFACE[:10], id="part-of-the-preface"),
+    pytest.param(CLIENT_PREFACE, id="preface-without-settings"),
+])
+def test_a_connection_that_does_not_complete_its_handshake_is_closed(start_direct, open_channel, sent):
+    """Sockets that never finish the HTTP/2 handshake (preface, then SETTINGS) within handshake_s
+    are closed, so idle sockets cannot hold every connection slot. A client that did its
+    handshake is not bound by it: its connection, older than handshake_s by then, still serves,
+    and new clients connect as ever."""
+    direct = start_direct(handshake_s=HANDSHAKE_S)
+    channel = open_channel(direct.port)
+    assert unary(channel)(b"before", timeout=WAIT_S) == b"unary:before"
+    with socket.create_connection(("127.0.0.1", direct.port), timeout=WAIT_S) as sock:
+        sock.sendall(sent)
+        t0 = time.monotonic()
+        data = read_to_eof(sock, limit=WAIT_S)
+        assert time.monotonic() - t0 >= HANDSHAKE_S * 0.5  # closed for the deadline, not at once
+    if sent == CLIENT_PREFACE:  # the preface came: the server's own SETTINGS went out
+        assert data[3] == 4
+    else:
+        assert data == b""
+    assert unary(channel)(b"after", timeout=WAIT_S) == b"unary:after"
+    assert unary(open_channel(direct.port))(b"new", timeout=WAIT_S) == b"unary:new"
+
+
+def test_a_trickled_preface_is_closed_at_the_handshake_deadline(start_direct):
+    """The bound is on the whole handshake, not on each read: a client that sends its preface a
+    byte at a time, each within the bound, is closed before the preface is complete."""
+    direct = start_direct(handshake_s=HANDSHAKE_S)
+    pause = HANDSHAKE_S / 3  # the preface would take 24 of these
+    with socket.create_connection(("127.0.0.1", direct.port), timeout=WAIT_S) as sock:
+        sock.settimeout(pause)
+        for sent, byte in enumerate(CLIENT_PREFACE):
+            try:
+                sock.sendall(bytes([byte]))
+                closed = sock.recv(1) == b""
+            except TimeoutError:
+                continue  # still open: the next byte
+            except OSError:  # reset by the server
+                closed = True
+            if closed:
+                break
+        else:
+            pytest.fail("the server took a preface trickled over several handshake periods")
+    assert sent < len(CLIENT_PREFACE) - 1
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.inf, math.nan])
+def test_the_handshake_bound_must_be_a_positive_time(bad):
+    with pytest.raises(ValueError, match="handshake_s"):
+        DirectServer("127.0.0.1:0", {}, handshake_s=bad)
 
 
 def test_window_opened_by_settings(direct):

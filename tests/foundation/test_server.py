@@ -1,15 +1,19 @@
-"""treeserve.server.Server's shutdown: calls in flight get the grace period, and no more."""
+"""treeserve.server: Server's shutdown (calls in flight get the grace period, and no more), and
+`with_raw_requests` (methods registered to take their requests as bytes)."""
 from __future__ import annotations
 
 import argparse
 import contextlib
 import threading
 import time
+from concurrent import futures
 
 import grpc
 import pytest
 
-from treeserve.server import GRACE_SECONDS, Server, add_grace_argument
+from treeserve.server import GRACE_SECONDS, Server, add_grace_argument, with_raw_requests
+from treeserve.v1 import treeserve_pb2 as pb
+from treeserve.v1 import treeserve_pb2_grpc as pbg
 
 # a method of our own under a real service name (health checking registers the service by name)
 SERVICE = "treeserve.v1.Verifier"
@@ -100,3 +104,46 @@ def test_the_option_refuses_what_is_not_a_number_of_seconds(text, capsys):
     with pytest.raises(SystemExit):
         p.parse_args(["--shutdown-grace-s", text])
     assert "must be a number of seconds >= 0" in capsys.readouterr().err
+
+
+class _RecordingVerifier(pbg.VerifierServicer):
+    """Records the request each method was handed."""
+
+    def __init__(self):
+        self.seen: dict = {}
+
+    def Verify(self, request, context):
+        self.seen["Verify"] = request
+        return pb.VerifyResponse()
+
+    def VerifyStream(self, request_iterator, context):
+        for request in request_iterator:
+            self.seen["VerifyStream"] = request
+            yield pb.VerifyResponse()
+
+    def Stats(self, request, context):
+        self.seen["Stats"] = request
+        return pb.VerifierStats()
+
+
+def test_raw_request_methods_are_handed_bytes_and_the_rest_messages():
+    servicer = _RecordingVerifier()
+    register = with_raw_requests(pbg.add_VerifierServicer_to_server, ["Verify", "VerifyStream"])
+    server = Server("127.0.0.1:0").add(register, servicer, "Verifier").start()
+    request = pb.VerifyRequest(items=[pb.VerifyItem(sequence_id="a", committed_length=3)])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            stub = pbg.VerifierStub(ch)
+            assert stub.Verify(request, timeout=10) == pb.VerifyResponse()  # responses serialized as generated
+            assert list(stub.VerifyStream(iter([request]), timeout=10)) == [pb.VerifyResponse()]
+            stub.Stats(pb.StatsRequest(), timeout=10)
+    finally:
+        server.stop(grace=0)
+    assert servicer.seen["Verify"] == servicer.seen["VerifyStream"] == request.SerializeToString()
+    assert isinstance(servicer.seen["Stats"], pb.StatsRequest)
+
+
+def test_raw_requests_for_a_method_the_service_lacks_are_refused():
+    register = with_raw_requests(pbg.add_VerifierServicer_to_server, ["Verify", "Verfiy"])
+    with pytest.raises(ValueError, match="Verfiy"):
+        register(_RecordingVerifier(), grpc.server(futures.ThreadPoolExecutor(1)))

@@ -17,10 +17,18 @@ from orchestrator.engine import Engine, EngineConfig
 from orchestrator.request import RequestSpec, Speculation
 from treeserve.sampling import Sampling
 from treeserve.h2grpc.server import DirectServer
-from treeserve.server import Server
+from treeserve.server import Server, with_raw_requests
 from treeserve.v1 import treeserve_pb2_grpc as pbg
 
 NEW_TOKENS = 12
+
+
+def register_verifier(servicer, server) -> None:
+    """Register the Verifier as the verifier's own server does (Verify and VerifyStream take their
+    requests as bytes and parse them themselves)."""
+    from verifier_service.servicer import RAW_REQUEST_METHODS
+
+    with_raw_requests(pbg.add_VerifierServicer_to_server, RAW_REQUEST_METHODS)(servicer, server)
 
 
 def register_without_verify_stream(servicer, server) -> None:
@@ -36,7 +44,7 @@ def register_without_verify_stream(servicer, server) -> None:
             self.handlers = handlers
 
     cap = Capture()
-    pbg.add_VerifierServicer_to_server(servicer, cap)
+    register_verifier(servicer, cap)
     older = {name: h for name, h in cap.handlers.items() if name != "VerifyStream"}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("treeserve.v1.Verifier", older),))
 
@@ -55,7 +63,7 @@ def verifiers(tiny_pair):
     core = VerifierEngine(lm, limits)
     batcher = Batcher(core, limits).start()
     def servicer(direct_port: int = 0):
-        made = VerifierServicer(core, batcher, ModelInfo("target", "cpu", (0,)))
+        made = VerifierServicer(core, batcher, ModelInfo("target", "cpu", (0,)), max_streams=limits.max_sequences)
         made.direct_port = direct_port
         return made
 
@@ -65,10 +73,9 @@ def verifiers(tiny_pair):
     with socket.socket() as probe:  # a port that was free a moment ago: nobody listens there
         probe.bind(("127.0.0.1", 0))
         dead_port = probe.getsockname()[1]
-    servers = {"current": Server("127.0.0.1:0").add(pbg.add_VerifierServicer_to_server, servicer(), "Verifier"),
-               "direct": Server("127.0.0.1:0").add(pbg.add_VerifierServicer_to_server, direct_servicer, "Verifier"),
-               "dead_direct": Server("127.0.0.1:0").add(pbg.add_VerifierServicer_to_server, servicer(dead_port),
-                                                        "Verifier"),
+    servers = {"current": Server("127.0.0.1:0").add(register_verifier, servicer(), "Verifier"),
+               "direct": Server("127.0.0.1:0").add(register_verifier, direct_servicer, "Verifier"),
+               "dead_direct": Server("127.0.0.1:0").add(register_verifier, servicer(dead_port), "Verifier"),
                "older": Server("127.0.0.1:0").add(register_without_verify_stream, servicer(), "Verifier")}
     for s in servers.values():
         s.start()

@@ -1,6 +1,7 @@
 """The model thread in-process: packing, splitting, cancelled callers, the idle sweep."""
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -8,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from treeserve.errors import status_of
 from treeserve.sampling import Sampling
 from treeserve.tree import TokenTree
 from verifier_service.batcher import Batcher
@@ -392,3 +394,78 @@ def test_after_a_burst_the_pool_gives_calls_to_threads_that_may_run_the_model(ma
         assert pool.submit(verify).result(30).timing.inline
     finally:
         pool.shutdown()
+
+
+def test_an_endless_window_waits_without_overflow_until_its_company_comes(make):
+    """Limits built without validation (an infinite window): the window's wait is capped at what a
+    lock wait takes (threading.TIMEOUT_MAX), where it once raised OverflowError on the thread
+    holding the model. s0 comes back alone, waits for s1, and they share the forward."""
+    engine, batcher = make(batch_window_ms=math.inf)
+    (a, La, ra), (b, Lb, rb) = _prefill(engine, 2)
+    one = {a: VerifyWork(a, La, TokenTree.single(ra)), b: VerifyWork(b, Lb, TokenTree.single(rb))}
+    first = [batcher.verify([one[a]]), batcher.verify([one[b]])]  # separate requests, one forward
+    batcher.start()
+    assert [f.result(30).batch_sequences for f in first] == [2, 2]
+    in_window = threading.Event()
+    take = batcher._take
+
+    def watched_take(timeout):
+        if timeout > 0:  # a wait for company, not a look at what is queued
+            in_window.set()
+        return take(timeout)
+
+    batcher._take = watched_take
+    with ThreadPoolExecutor(2) as rpc:
+        fa = rpc.submit(lambda: batcher.verify([one[a]]).result(30))
+        assert in_window.wait(10), "s0 should wait in its window for s1"
+        fb = rpc.submit(lambda: batcher.verify([one[b]]).result(30))
+        ra_, rb_ = fa.result(30), fb.result(30)
+    assert ra_.outputs[0].error is None and rb_.outputs[0].error is None
+    assert ra_.batch_sequences == rb_.batch_sequences == 2
+
+
+def test_the_model_thread_outlives_an_exception_while_it_gathers_a_batch(make):
+    """A bug while the model thread gathers a batch (here the OverflowError an endless window once
+    raised) fails that batch's caller with INTERNAL; the thread logs it and serves the next."""
+    engine, batcher = make(batch_window_ms=0)
+    (a, La, ra), (b, Lb, rb) = _prefill(engine, 2)
+    calls = _record_threads(engine)
+    take = batcher._take
+    failed: list[float] = []
+
+    def take_failing_once(timeout):
+        if not failed:
+            failed.append(timeout)
+            raise OverflowError("timestamp out of range for platform time_t")
+        return take(timeout)
+
+    batcher._take = take_failing_once
+    # queued before the model thread starts, so that it is the one to run them
+    fa = batcher.verify([VerifyWork(a, La, TokenTree.single(ra))])
+    fb = batcher.verify([VerifyWork(b, Lb, TokenTree.single(rb))])
+    batcher.start()
+    (out_a,) = fa.result(30).outputs
+    assert isinstance(out_a.error, OverflowError) and status_of(out_a.error)[0] == grpc.StatusCode.INTERNAL
+    (out_b,) = fb.result(30).outputs
+    assert out_b.error is None and out_b.result.target_tokens
+    assert [(t.name, n) for t, n in calls] == [("verifier-model", 1)]
+
+
+def test_a_failing_liveness_check_fails_only_its_own_caller(make):
+    """`alive` is the caller's code: when it raises, that caller's item or operation gets the
+    error (INTERNAL), and the model thread, which asked, goes on with the rest of the queue."""
+    engine, batcher = make(batch_window_ms=0)
+    (a, La, ra), (b, Lb, rb) = _prefill(engine, 2)
+
+    def broken() -> bool:
+        raise RuntimeError("liveness check broke")
+
+    # queued before the model thread starts, so that it is the one to run them
+    fa = batcher.verify([VerifyWork(a, La, TokenTree.single(ra))], alive=broken)
+    fop = batcher.submit(len, (), alive=broken)
+    fb = batcher.verify([VerifyWork(b, Lb, TokenTree.single(rb))])
+    batcher.start()
+    (out_a,) = fa.result(30).outputs
+    assert isinstance(out_a.error, RuntimeError) and status_of(out_a.error)[0] == grpc.StatusCode.INTERNAL
+    assert isinstance(fop.exception(30), RuntimeError)
+    assert fb.result(30).outputs[0].error is None

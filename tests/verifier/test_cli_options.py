@@ -1,12 +1,16 @@
-"""`treeserve verifier`'s direct-port options: off by default, and bad values refused by argparse."""
+"""`treeserve verifier`'s options: the direct port off by default, and bad numbers (the poll time,
+the batching window, the idle timeout) refused by argparse, and by `Limits.validate` for callers
+that build Limits themselves."""
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
 
 from treeserve.h2grpc.server import POLL_SECONDS
-from verifier_service.cli import add_arguments
+from verifier_service.cli import add_arguments, limits_from
+from verifier_service.limits import MAX_BATCH_WINDOW_MS, Limits
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -28,3 +32,32 @@ def test_a_bad_poll_time_is_refused(bad, capsys):
     with pytest.raises(SystemExit):
         parse("--direct-poll-us", bad)
     assert "microseconds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("window", ["0", "2.5", str(MAX_BATCH_WINDOW_MS)])
+def test_a_batching_window_within_bounds_is_taken(window):
+    assert limits_from(parse("--batch-window-ms", window)).batch_window_ms == float(window)
+
+
+@pytest.mark.parametrize("bad", ["inf", "nan", "-1", "1e300", str(MAX_BATCH_WINDOW_MS + 1), "soon"])
+def test_a_bad_batching_window_is_refused(bad, capsys):
+    """An endless window once passed here and then took the model thread down at its first wait."""
+    with pytest.raises(SystemExit):
+        parse("--batch-window-ms", bad)
+    assert "milliseconds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["nan", "-5", "never"])
+def test_a_bad_idle_timeout_is_refused(bad, capsys):
+    with pytest.raises(SystemExit):
+        parse("--idle-timeout-s", bad)
+    assert "seconds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, bad", [
+    ("batch_window_ms", math.inf), ("batch_window_ms", math.nan), ("batch_window_ms", -1.0),
+    ("batch_window_ms", MAX_BATCH_WINDOW_MS * 2), ("idle_timeout_s", math.nan), ("idle_timeout_s", -1.0),
+])
+def test_limits_refuse_what_the_cli_refuses(field, bad):
+    with pytest.raises(ValueError, match=field):
+        Limits(**{field: bad}).validate()

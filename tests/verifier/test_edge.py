@@ -119,3 +119,77 @@ def test_metrics_endpoint(verifier, client, fresh_id):
         assert name in text, name
     # the calls above came alone to a free model: each ran its forward on its own RPC thread
     assert value(text, "treeserve_verifier_inline_calls_total") >= 1
+
+
+def test_a_duplicate_is_found_in_one_pass_over_many_ids():
+    """The duplicate check is linear: 50 000 ids (a check that compared every id with every other
+    would take minutes) with the repeat at the very end, and without one."""
+    from verifier_service.servicer import first_duplicate
+
+    ids = [f"s{i}" for i in range(50_000)]
+    assert first_duplicate(ids + ["s49999"]) == "s49999"
+    assert first_duplicate(ids) is None
+    assert first_duplicate(["a", "b", "a", "b", "b"]) == "a"  # the first id seen again, named
+
+
+def test_a_duplicate_at_the_end_of_a_full_request_is_refused(client, fresh_id):
+    ids = [fresh_id("dup") for _ in range(MAX_SEQUENCES - 1)]
+    items = [pb.VerifyItem(sequence_id=sid, committed_length=1, tree=pb.TokenTree(tokens=[1], parents=[-1]))
+             for sid in ids + ids[-1:]]
+    with pytest.raises(grpc.RpcError) as e:
+        client.verify_raw(pb.VerifyRequest(items=items))
+    assert _code(e) == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"sequence {ids[-1]!r} appears more than once" in e.value.details()
+
+
+def _unknown_items(n: int) -> pb.VerifyRequest:
+    """A request of `n` items for sequences the verifier does not hold (one-node trees)."""
+    return pb.VerifyRequest(items=[pb.VerifyItem(sequence_id=f"never-prefilled-{i}", committed_length=1,
+                                                 tree=pb.TokenTree(tokens=[1], parents=[-1])) for i in range(n)])
+
+
+def _raw_calls(address: str):
+    """(name, call(request bytes) -> response bytes) for Verify and VerifyStream at `address`,
+    bytes in and out, so that a test can send what no serializer would."""
+    ch = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)])
+    unary = ch.unary_unary("/treeserve.v1.Verifier/Verify")
+    stream = ch.stream_stream("/treeserve.v1.Verifier/VerifyStream")
+    return ch, [("Verify", lambda raw: unary(raw, timeout=60)),
+                ("VerifyStream", lambda raw: next(stream(iter([raw]), timeout=60)))]
+
+
+@pytest.mark.parametrize("port", ["main", "direct"])
+def test_more_items_than_sequences_are_refused_as_a_whole(verifier, client, port):
+    """Every item past max_sequences could only fail: a request with more is refused before any
+    tree is decoded, with the limit named, on Verify and VerifyStream and on both ports; one
+    exactly at the limit is served item by item (here: each NOT_FOUND)."""
+    address = verifier.address if port == "main" else f"127.0.0.1:{client.stats().direct_port}"
+    ch, calls = _raw_calls(address)
+    with ch:
+        for name, call in calls:
+            for n in (MAX_SEQUENCES + 1, 50_000):
+                with pytest.raises(grpc.RpcError) as e:
+                    call(_unknown_items(n).SerializeToString())
+                assert _code(e) == grpc.StatusCode.INVALID_ARGUMENT, (name, n)
+                assert f"{n} items in one request: at most {MAX_SEQUENCES}" in e.value.details(), (name, n)
+            answer = pb.VerifyResponse.FromString(call(_unknown_items(MAX_SEQUENCES).SerializeToString()))
+            assert [r.error.code for r in answer.results] == [grpc.StatusCode.NOT_FOUND.value[0]] * MAX_SEQUENCES
+
+
+@pytest.mark.parametrize("port", ["main", "direct"])
+def test_a_request_that_does_not_parse_is_invalid_argument_on_both_ports(verifier, client, port):
+    """A VerifyRequest whose item's sequence_id is not UTF-8 does not parse: the client's error
+    (INVALID_ARGUMENT), not the server's (grpcio's own parse failure is INTERNAL), on Verify and
+    VerifyStream alike, and on the main port as on the direct one."""
+    item = b"\x0a\x02\xff\xfe"  # VerifyItem{sequence_id (field 1, length-delimited) = b"\xff\xfe"}
+    raw = b"\x0a" + bytes([len(item)]) + item  # VerifyRequest{items (field 1) = item}
+    address = verifier.address if port == "main" else f"127.0.0.1:{client.stats().direct_port}"
+    ch, calls = _raw_calls(address)
+    with ch:
+        for name, call in calls:
+            with pytest.raises(grpc.RpcError) as e:
+                call(raw)
+            assert _code(e) == grpc.StatusCode.INVALID_ARGUMENT, name
+            assert "VerifyRequest does not parse" in e.value.details(), name
+            # and a request that parses is answered as ever on the same method
+            assert len(pb.VerifyResponse.FromString(call(_unknown_items(1).SerializeToString())).results) == 1

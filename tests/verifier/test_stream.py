@@ -222,3 +222,62 @@ def test_shutdown_ends_an_open_stream_at_its_next_request(tiny_pair, transport):
                 assert time.monotonic() - t0 < GRACE_S / 2
     finally:
         proc.stop()
+
+
+def test_open_streams_are_capped_so_unary_calls_keep_their_threads(tiny_pair):
+    """An open VerifyStream holds one of the main port's RPC threads for its life. Past the cap
+    (half the pool) a new stream is refused with RESOURCE_EXHAUSTED before it reads anything,
+    while Stats, health and Prefill still answer; once a stream ends, a new one is taken."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from models import HybridLM
+    from treeserve.stream_session import drain
+    from verifier_service.limits import Limits
+    from verifier_service.servicer import ModelInfo, VerifierServer, rpc_threads, stream_cap
+
+    limits = Limits(max_sequences=2, max_tree_nodes=8, max_sequence_length=64)
+    lm = HybridLM.from_pretrained(tiny_pair[0], max_slots=2, max_len=64)
+    srv = VerifierServer(lm, limits, "127.0.0.1:0", ModelInfo("target", "cpu", (0,)))
+    cap = srv.servicer.max_streams
+    assert cap == stream_cap(rpc_threads(limits)) == rpc_threads(limits) // 2
+    channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    stub = pbg.VerifierStub(channel)
+    streams: list = []  # (request queue, call) of every stream the test opened
+
+    def open_stream():
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+        call = stub.VerifyStream(drain(requests), timeout=60)
+        streams.append((requests, call))
+        return requests, call
+
+    def open_and_answered():
+        """A stream that has answered a request: open on the server, holding its slot."""
+        requests, call = open_stream()
+        requests.put(pb.VerifyRequest())
+        assert len(next(call).results) == 0
+
+    try:
+        for _ in range(cap):
+            open_and_answered()
+        _, refused = open_stream()
+        with pytest.raises(grpc.RpcError) as e:
+            next(refused)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"{cap} VerifyStreams are open" in e.value.details()
+        # the unary calls still find threads
+        assert stub.Stats(pb.StatsRequest(), timeout=10).max_sequences == 2
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        prefill = stub.Prefill(pb.PrefillRequest(sequence_id="a", prompt_tokens=[1, 2, 3]), timeout=10)
+        assert prefill.committed_length == 3
+        # a stream ends (its client half-closes, then reads the end, sent after its slot was freed)
+        requests, ending = streams[0]
+        requests.put(None)
+        assert list(ending) == []
+        open_and_answered()
+    finally:
+        for requests, call in streams:
+            requests.put(None)
+            call.cancel()
+        channel.close()
+        srv.stop()

@@ -85,10 +85,15 @@ class FrameReader:
     `poll_s`: before it blocks for more bytes, the reader polls the socket for up to this long. A
     thread that sleeps in `recv` wakes up later than one that polls, and then runs on cold caches:
     on the H100 host a verifier connection that polled for 0.5 ms after each reply took 0.075 ms
-    (mean of six runs) off a batch-1 step (BENCHMARKS.md, twenty-second round)."""
+    (mean of six runs) off a batch-1 step (BENCHMARKS.md, twenty-second round).
+
+    `deadline` (a time.monotonic() instant, or None): while set, reads that would wait past it
+    raise TimeoutError, however the bytes trickle in (a server's bound on a client's handshake);
+    what was read stays buffered. The caller restores the socket's own timeout afterwards."""
 
     def __init__(self, sock: socket.socket, max_frame: int = RECEIVE_MAX_FRAME, poll_s: float = 0.0):
         self.poll_s = poll_s
+        self.deadline: float | None = None
         self._sock = sock
         self._buf = bytearray()
         self._max = max_frame
@@ -111,6 +116,8 @@ class FrameReader:
         while len(self._buf) < n:
             polling = poll_end and time.perf_counter() < poll_end
             try:
+                if self.deadline is not None:
+                    self._sock.settimeout(self._time_left())
                 chunk = self._sock.recv(max(65536, n - len(self._buf)), socket.MSG_DONTWAIT if polling else 0)
             except BlockingIOError:  # polling, nothing yet
                 continue
@@ -121,6 +128,12 @@ class FrameReader:
             if not chunk:
                 raise ConnectionClosed("the peer closed the connection")
             self._buf += chunk
+
+    def _time_left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the read deadline passed")
+        return left
 
     def read(self):
         """The next frame: a deferred one first, else one off the socket."""

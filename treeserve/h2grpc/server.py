@@ -11,9 +11,12 @@ and bidirectional-streaming methods whose handler turns one request message into
 message, bearer-token auth, `grpc-timeout` deadlines, and gRPC status codes for every refusal.
 What it leaves to the main (grpcio) server: health, reflection, every other method (UNIMPLEMENTED
 here), and TLS. A connection serves its calls one at a time, in the order their messages arrive;
-clients that want their calls to run together (and be batched) open one connection each."""
+clients that want their calls to run together (and be batched) open one connection each. A
+connection must complete its handshake (preface, then SETTINGS) within `handshake_s`, or it is
+closed: each holds a thread and one of MAX_CONNECTIONS slots."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import socket
@@ -35,6 +38,9 @@ log = logging.getLogger(__name__)
 
 MAX_CONCURRENT_STREAMS = 100
 MAX_CONNECTIONS = 256  # each has a thread of its own; more are refused (GOAWAY ENHANCE_YOUR_CALM)
+# How long a new connection has to send the client preface and its first SETTINGS: one that does
+# not is closed, so sockets that never speak HTTP/2 cannot hold every connection slot
+HANDSHAKE_SECONDS = 10.0
 # How long a connection's thread polls for the next request before it sleeps (frames.FrameReader):
 # a step loop's next request comes within this, at the cost of a busy core for as long
 POLL_SECONDS = 0.0005
@@ -96,13 +102,18 @@ class DirectServer:
 
     def __init__(self, address: str, methods: dict[str, Method], auth_token: str | None = None,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, thread_context: Callable | None = None,
-                 poll_s: float = POLL_SECONDS):
+                 poll_s: float = POLL_SECONDS, handshake_s: float = HANDSHAKE_SECONDS):
         """thread_context: a context manager factory entered once by each connection thread (the
         verifier keeps torch's inference mode on for good in the threads that run its model);
-        poll_s: how long a connection's thread polls for more bytes before it sleeps (0: never)."""
+        poll_s: how long a connection's thread polls for more bytes before it sleeps (0: never);
+        handshake_s: how long a new connection has to send its preface and first SETTINGS before
+        it is closed."""
         if not poll_s >= 0:
             raise ValueError(f"poll_s must be >= 0, got {poll_s}")
+        if not 0 < handshake_s < math.inf:
+            raise ValueError(f"handshake_s must be a positive number of seconds, got {handshake_s}")
         self.poll_s = poll_s
+        self.handshake_s = handshake_s
         host, _, port = address.rpartition(":")
         self._bind = (host.strip("[]") or "0.0.0.0", int(port))
         self.methods = dict(methods)
@@ -187,6 +198,7 @@ class DirectServer:
 class _Connection:
     def __init__(self, server: DirectServer, sock: socket.socket):
         self.server = server
+        self.handshake_by = time.monotonic() + server.handshake_s
         self.peer = Peer(sock, poll_s=server.poll_s)
         self.streams: dict[int, _Stream] = {}
         self.last_sid = 0
@@ -249,10 +261,7 @@ class _Connection:
 
     def _serve(self) -> None:
         peer = self.peer
-        if peer.reader.exact(len(f.PREFACE)) != f.PREFACE:
-            raise f.ConnectionClosed("not an HTTP/2 client preface")
-        peer.queue(peer.local_settings())
-        peer.flush()
+        self._handshake()
         while not self.server.stopping.is_set():
             ftype, flags, sid, payload, flow = peer.reader.read()
             if peer.control(ftype, flags, sid, payload):
@@ -269,6 +278,30 @@ class _Connection:
             peer.flush(only_with_output=True)
             if self.after:
                 self._run_after()
+
+    def _handshake(self) -> None:
+        """Read the client's connection preface and its first frame, which must be SETTINGS (RFC
+        9113 §3.4), by `handshake_by`; this end's SETTINGS go out after the preface. A client
+        that sends neither in time, or trickles them, is closed (ConnectionClosed) instead of
+        holding a connection slot, and its thread, for ever."""
+        peer = self.peer
+        reader = peer.reader
+        reader.deadline = self.handshake_by
+        try:
+            if reader.exact(len(f.PREFACE)) != f.PREFACE:
+                raise f.ConnectionClosed("not an HTTP/2 client preface")
+            peer.queue(peer.local_settings())
+            peer.flush()
+            ftype, flags, sid, payload, _ = reader.read()
+        except TimeoutError as exc:
+            raise f.ConnectionClosed(f"no HTTP/2 handshake within {self.server.handshake_s:g} s") from exc
+        finally:
+            reader.deadline = None
+            with contextlib.suppress(OSError):  # closed meanwhile (stop): the next read says so
+                peer.sock.settimeout(None)  # blocking again: calls wait as long as they need
+        if ftype != f.SETTINGS or flags & f.ACK:
+            raise f.ProtocolError("the client preface must end with a SETTINGS frame")
+        peer.control(ftype, flags, sid, payload)
 
     def _run_after(self) -> None:
         todo, self.after = self.after, []

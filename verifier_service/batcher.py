@@ -253,8 +253,7 @@ class Batcher:
             return False
         me = threading.get_ident()
         with self._lock:
-            if (self._busy or self._queue or not self._started or self._stopped
-                    or (me not in self._runners and len(self._runners) >= INLINE_THREADS)
+            if (self._busy or self._queue or not self._started or self._stopped or not self._may_run(me)
                     or not self._complete(names)):  # reads the table: safe, as no thread holds the model
                 return False
             self._busy = True
@@ -277,6 +276,16 @@ class Batcher:
                 if self._queue:
                     self._free.notify()  # what arrived meanwhile: the model thread's
         return True
+
+    def _may_run(self, me: int) -> bool:
+        """Whether thread `me` may run the model itself (the lock held): it has before, or one of
+        the INLINE_THREADS places is free. A runner that has ended gives its place up: a direct-port
+        connection's thread lives only as long as its connection, and engines reconnect."""
+        if me in self._runners:
+            return True
+        if len(self._runners) >= INLINE_THREADS:
+            self._runners &= {t.ident for t in threading.enumerate()}
+        return len(self._runners) < INLINE_THREADS
 
     def is_runner(self, ident: int) -> bool:
         """Whether the thread `ident` has run the model (and may again without growing the set)."""
@@ -314,7 +323,7 @@ class Batcher:
                 self._arrival.notify()  # the holder may be gathering a batch
                 return
             me = threading.get_ident()
-            if not self._started or (me not in self._runners and len(self._runners) >= INLINE_THREADS):
+            if not self._started or not self._may_run(me):
                 self._free.notify()  # the model thread's (once started)
                 return
             self._busy = True  # the model is free: this thread runs it

@@ -353,6 +353,34 @@ def test_only_a_few_threads_run_the_model_themselves(make):
     assert [t.name for t in ran_on[INLINE_THREADS:]] == ["verifier-model"] * 2
 
 
+def test_threads_that_ended_give_their_place_as_runners_up(make):
+    """Direct-port connections each run on a thread of their own, which ends with the connection:
+    once INLINE_THREADS of them have come and gone, a new one still runs its forwards itself."""
+    from verifier_service.batcher import INLINE_THREADS
+
+    engine, batcher = make()
+    ((sid, L, root),) = _prefill(engine, 1)
+    batcher.start()
+    inline = []
+
+    def call() -> None:
+        inline.append(batcher.verify([VerifyWork(sid, L, TokenTree.single(root))]).result(30).timing.inline)
+
+    def connection() -> None:  # a thread that calls once and ends
+        t = threading.Thread(target=call)
+        t.start()
+        t.join(30)
+
+    for _ in range(INLINE_THREADS):
+        connection()
+    # a new thread may get an ended one's id back, which would hide the rule: the places are taken
+    # by ids no live thread has
+    batcher._runners = set(range(1, INLINE_THREADS + 1))
+    connection()
+    assert inline == [True] * (INLINE_THREADS + 1)
+    assert len(batcher._runners) == 1
+
+
 def test_after_a_burst_the_pool_gives_calls_to_threads_that_may_run_the_model(make):
     """When the thread that came free last may not run the model (the runners are all taken), a
     lone call still goes to one that may, so it needs no hand-off to the model thread."""

@@ -10,6 +10,10 @@
   the step loop itself never waits on Ray.
 
 Both actors are threaded (max_concurrency > 1): a long poll must not block submissions.
+
+An engine actor that dies (its process killed, its node lost) is dropped from the registry with
+every request routed to it, when a call to it fails or a front's long poll finds it gone; routing
+goes on over the other replicas, and `register` of its verifier starts a new engine.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 import ray
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
 from orchestrator.engine import Engine, EngineConfig, Hooks
 from orchestrator.names import COORDINATOR, engine_actor_name
@@ -27,15 +32,22 @@ from orchestrator.request import RequestSpec, RequestState
 log = logging.getLogger("treeserve.orchestrator.actors")
 
 _UNAVAILABLE, _EXHAUSTED, _NOT_FOUND = 14, 8, 5
+FINISHED_TIMEOUT_S = 10.0  # longest wait for the coordinator to take note of ended requests
+DRAIN_ON_SHUTDOWN_S = 5.0  # how long a retiring engine waits for its fronts to take its last events
 
 
 class _CoordinatorHooks(Hooks):
-    def __init__(self, coordinator, verifier: str):
+    def __init__(self, coordinator, verifier: str, namespace: str):
         self._coord = coordinator
         self._verifier = verifier
+        self._ns = namespace
 
     def finished(self, request_ids):
-        self._coord.finished.remote(self._verifier, request_ids)
+        # waited for: the engine publishes the requests' last events once the coordinator forgot them
+        ray.get(self._coord.finished.remote(self._verifier, request_ids), timeout=FINISHED_TIMEOUT_S)
+
+    def forward_cancel(self, request_id, engine, reason):
+        ray.get_actor(engine, namespace=self._ns).cancel.remote(request_id, reason)
 
     def replica_down(self, states):
         return ray.get(self._coord.replica_down.remote(self._verifier, states))
@@ -49,7 +61,7 @@ class EngineActor:
     def __init__(self, config: EngineConfig, namespace: str, log_level: str = "INFO"):
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         coord = ray.get_actor(COORDINATOR, namespace=namespace)
-        self._engine = Engine(config, _CoordinatorHooks(coord, config.verifier)).start()
+        self._engine = Engine(config, _CoordinatorHooks(coord, config.verifier, namespace)).start()
 
     def info(self) -> dict:
         return {"name": self._engine.name, "capacity": self._engine.info.max_sequences, "info": self._engine.info}
@@ -69,8 +81,13 @@ class EngineActor:
     def stats(self) -> dict:
         return self._engine.stats()
 
+    def ping(self) -> bool:
+        return True
+
     def shutdown(self) -> None:
         self._engine.stop()
+        # the coordinator kills this actor next: let the fronts take the last events first
+        self._engine.outbox.wait_drained(DRAIN_ON_SHUTDOWN_S)
 
 
 @dataclass
@@ -170,21 +187,38 @@ class Coordinator:
             return None, (_UNAVAILABLE, "no verifier replica is available")
         error = (_EXHAUSTED, "every verifier replica is full")
         for rep in order:
-            with self._lock:  # reserve the slot before asking; undone on refusal
-                if rep.load >= rep.capacity:
-                    continue
-                rep.load += 1
-                self._where[spec.request_id] = rep.verifier
-            refusal = ray.get(rep.engine.submit.remote(spec))
+            if not self._reserve(rep, spec.request_id):
+                continue
+            try:
+                refusal = ray.get(rep.engine.submit.remote(spec))
+            except RayActorError as exc:
+                self._unreserve(rep, spec.request_id)
+                self._engine_failed(rep, exc)
+                error = (_UNAVAILABLE, f"the engine of verifier replica {rep.verifier} does not answer")
+                continue
             if refusal is None:
                 return rep.name, None
-            with self._lock:
-                rep.load -= 1
-                self._where.pop(spec.request_id, None)
+            self._unreserve(rep, spec.request_id)
             error = tuple(refusal)
             if refusal[0] != _EXHAUSTED:
                 break
         return None, error
+
+    def _reserve(self, rep: _Replica, request_id: str) -> bool:
+        """Count the request on `rep` before asking its engine (undone on refusal), so concurrent
+        submissions never overfill it."""
+        with self._lock:
+            if rep.load >= rep.capacity:
+                return False
+            rep.load += 1
+            self._where[request_id] = rep.verifier
+            return True
+
+    def _unreserve(self, rep: _Replica, request_id: str) -> None:
+        with self._lock:
+            rep.load = max(0, rep.load - 1)
+            if self._where.get(request_id) == rep.verifier:
+                del self._where[request_id]
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
         with self._lock:
@@ -206,7 +240,9 @@ class Coordinator:
                         rep.load = max(0, rep.load - 1)
             retire = rep is not None and rep.draining and rep.load == 0
         if retire:
-            self._retire(verifier)
+            # on a thread: the engine waits for this call before it publishes its last events,
+            # and retiring waits (bounded) until the fronts have taken those
+            threading.Thread(target=self._retire, args=(verifier,), name="retire", daemon=True).start()
 
     def replica_down(self, verifier: str, states: list[RequestState]) -> dict[str, str]:
         """A replica lost its verifier: move what we can elsewhere. Returns {request id: engine}."""
@@ -218,7 +254,12 @@ class Coordinator:
             with self._lock:
                 order = [r for r in self._by_load() if r.verifier != verifier and r.load < r.capacity]
             for rep in order:
-                if ray.get(rep.engine.adopt.remote(state)):
+                try:
+                    adopted = ray.get(rep.engine.adopt.remote(state))
+                except RayActorError as exc:
+                    self._engine_failed(rep, exc)
+                    continue
+                if adopted:
                     with self._lock:
                         rep.load += 1
                         self._where[state.request_id] = rep.verifier
@@ -239,7 +280,28 @@ class Coordinator:
     def stats(self) -> list[dict]:
         with self._lock:
             reps = list(self._replicas.values())
-        return [ray.get(r.engine.stats.remote()) for r in reps]
+        out = []
+        for rep in reps:
+            try:
+                out.append(ray.get(rep.engine.stats.remote()))
+            except RayActorError as exc:
+                self._engine_failed(rep, exc)
+        return out
+
+    def check_engine(self, engine: str) -> bool:
+        """A front lost its long poll to `engine`: drop the replica if the engine is dead (its
+        requests' ids become free at once). True when it answers."""
+        with self._lock:
+            reps = [r for r in self._replicas.values() if r.name == engine]
+        for rep in reps:
+            try:
+                ray.get(rep.engine.ping.remote(), timeout=10)
+            except RayActorError as exc:
+                self._engine_failed(rep, exc)
+                return False
+            except GetTimeoutError:
+                return True  # busy, not dead
+        return bool(reps)
 
     # ---- internals ----------------------------------------------------------------------
     def _by_load(self) -> list[_Replica]:
@@ -249,6 +311,32 @@ class Coordinator:
     def _describe(self, rep: _Replica) -> dict:
         return {"verifier": rep.verifier, "engine": rep.name, "capacity": rep.capacity, "load": rep.load,
                 "healthy": rep.healthy, "draining": rep.draining}
+
+    def _engine_failed(self, rep: _Replica, exc: RayActorError) -> None:
+        """A call to an engine actor failed: a dead one is dropped (`_drop_dead`); one that is only
+        unreachable for now (ActorUnavailableError) is skipped this time."""
+        if isinstance(exc, ActorDiedError):
+            self._drop_dead(rep, exc)
+        else:
+            log.warning("engine %s of verifier %s does not answer: %s", rep.name, rep.verifier, exc)
+
+    def _drop_dead(self, rep: _Replica, exc: Exception) -> None:
+        """Take a replica whose engine actor died out of the registry, with every request routed
+        to it (their fronts learn of it from their long polls), so that its ids are free again and
+        `register` of its verifier starts a new engine."""
+        with self._lock:
+            if self._replicas.get(rep.verifier) is not rep:
+                return  # dropped already, or replaced by a new registration
+            del self._replicas[rep.verifier]
+            lost = [rid for rid, verifier in self._where.items() if verifier == rep.verifier]
+            for rid in lost:
+                del self._where[rid]
+        log.error("engine %s of verifier %s died (%s): replica dropped with its %d requests; register the verifier "
+                  "again to start a new engine", rep.name, rep.verifier, type(exc).__name__, len(lost))
+        try:
+            ray.kill(rep.engine)
+        except Exception:  # noqa: BLE001 - gone already
+            pass
 
     def _retire(self, verifier: str) -> None:
         with self._lock:

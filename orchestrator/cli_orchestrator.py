@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long a replica's engine waits for its verifier to come up when registered")
     p.add_argument("--default-max-new-tokens", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=4096, help="largest max_new_tokens a client may ask for")
+    p.add_argument("--max-streams", type=int, default=240,
+                   help="open Generate streams this front serves at once (each holds a server thread); more are "
+                        "refused with RESOURCE_EXHAUSTED")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     add_grace_argument(p)
     admin = p.add_mutually_exclusive_group()
@@ -54,7 +57,8 @@ def config_from(args: argparse.Namespace):
         host=args.host, port=args.port, auth_token=args.auth_token, service_token=args.service_token,
         tokenizer=args.tokenizer, draft_timeout_s=args.draft_timeout_ms / 1e3, replica_timeout_s=args.replica_timeout_s,
         connect_timeout_s=args.connect_timeout_s,
-        limits=FrontLimits(args.default_max_new_tokens, args.max_new_tokens), metrics_port=args.metrics_port,
+        limits=FrontLimits(args.default_max_new_tokens, args.max_new_tokens, args.max_streams),
+        metrics_port=args.metrics_port,
         shutdown_grace_s=args.shutdown_grace_s,
     )
 

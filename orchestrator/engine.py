@@ -14,10 +14,18 @@ One step, for every active request at once:
 The loop runs in its own thread and owns every RequestState; other threads only talk to it
 through `_inbox` (submit, adopt, cancel) and read the outbox.
 
+Endings: a request's last event is published only after `Hooks.finished` has returned for it
+(`Endings`, off the loop), so the coordinator has forgotten the request id by the time its client
+hears the end, and the client may reuse the id at once.
+
 Failures: a verifier item that lost its sequence (restart, idle expiry) is re-prefilled from the
 log; a failed Verify call or stream (the next step opens a new stream) marks the replica down,
 offers the requests to other replicas through `Hooks.replica_down`, and re-prefills the rest once
-the replica answers again. The drafter is never needed for correctness (see draft_link).
+the replica answers again. Every sequence id the failure left behind (each re-prefill takes a new
+one) is released first, also those of requests that moved: a verifier that was only cut off for a
+moment still holds them, and would otherwise need two slots per request until its idle sweep. A
+cancel that reaches this engine after its request moved follows it (`Hooks.forward_cancel`). The
+drafter is never needed for correctness (see draft_link).
 """
 from __future__ import annotations
 
@@ -25,7 +33,7 @@ import logging
 import queue
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -52,6 +60,9 @@ _DOWN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, g
 _LOST_CODES = (grpc.StatusCode.NOT_FOUND.value[0], grpc.StatusCode.FAILED_PRECONDITION.value[0])
 ADAPTIVE_CAP = 32  # largest budget the adaptive policy considers when the request names none
 ADAPTIVE_START = 8
+RELEASE_TIMEOUT_S = 5.0  # longest wait for a Release (those of a failure's leftovers run side by side)
+MOVED_MEMORY = 4096  # moved requests remembered, so that a cancel that arrives late can follow them
+ENDINGS_FLUSH_S = 5.0  # how long a stopping engine lets its queued last events go out
 
 
 @dataclass(frozen=True)
@@ -86,7 +97,12 @@ class Hooks:
     """What an engine tells the rest of the system. The defaults suit a lone engine."""
 
     def finished(self, request_ids: list[str]) -> None:
-        pass
+        """The requests ended and their slots are free. Called off the step loop (`Endings`); their
+        last events are published once it returns, so it should return only when the rest of the
+        system has forgotten the ids."""
+
+    def forward_cancel(self, request_id: str, engine: str, reason: str) -> None:
+        """Cancel a request that this engine handed to `engine` (the cancel came here first)."""
 
     def replica_down(self, states: list[RequestState]) -> dict[str, str]:
         """Offer requests to other replicas; returns {request id: engine name} of those taken."""
@@ -112,7 +128,66 @@ class Outbox:
         with self._cv:
             if not self._events.get(front):
                 self._cv.wait_for(lambda: bool(self._events.get(front)), timeout)
-            return self._events.pop(front, [])
+            events = self._events.pop(front, [])
+            if events:
+                self._cv.notify_all()  # `wait_drained`
+            return events
+
+    def wait_drained(self, timeout: float) -> bool:
+        """Wait (at most `timeout`) until every front has taken its events."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not any(self._events.values()), timeout)
+
+
+class Endings:
+    """Publishes each request's last event only after `Hooks.finished` has returned for it. The
+    coordinator has then forgotten the request id, so a client that got its final message can
+    reuse the id at once; and the coordinator's record of the request is still cleared once, by
+    the engine that freed its slot, so its load count never runs ahead of the engine's. One
+    thread, off the step loop; ends that pile up while it waits go out in its next call."""
+
+    def __init__(self, hooks: Hooks, outbox: Outbox):
+        self._hooks = hooks
+        self._outbox = outbox
+        self._queue: queue.Queue = queue.Queue()  # (front, last event), or None: stop
+        self._thread = threading.Thread(target=self._run, name="engine-endings", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, front: str, last: Event) -> None:
+        self._queue.put((front, last))
+
+    def stop(self, timeout: float) -> None:
+        """Publish what is queued, then end the thread (waiting for it at most `timeout`)."""
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take()
+            ends = [item for item in batch if item is not None]
+            if ends:
+                self._publish(ends)
+            if len(ends) < len(batch):
+                return
+
+    def _take(self) -> list:
+        batch = [self._queue.get()]
+        while True:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                return batch
+
+    def _publish(self, ends: list[tuple[str, Event]]) -> None:
+        try:
+            self._hooks.finished([last.request_id for _, last in ends])
+        except Exception:  # noqa: BLE001 - the clients must hear the end all the same
+            log.exception("finished hook failed")
+        for front, last in ends:
+            self._outbox.put(front, [last])
 
 
 def make_policy(spec: RequestSpec, info: VerifierInfo, phase: int = 0):
@@ -145,6 +220,10 @@ class Engine:
         self._admitted = 0
         self._down_since: Optional[float] = None
         self._last_offer = 0.0
+        # sequence ids a replica failure left on the verifier (released once it answers again)
+        self._stale_vids: list[str] = []
+        self._moved: OrderedDict[str, str] = OrderedDict()  # request id -> engine it moved to
+        self._endings = Endings(self.hooks, self.outbox)
         self._stop = threading.Event()
         self._background = ThreadPoolExecutor(2, thread_name_prefix="engine-bg")
         self.steps = 0
@@ -156,6 +235,7 @@ class Engine:
 
     # ---- public (any thread) ------------------------------------------------------------
     def start(self) -> "Engine":
+        self._endings.start()
         self._thread.start()
         return self
 
@@ -163,6 +243,7 @@ class Engine:
         self._stop.set()
         self._inbox.put(("wake",))
         self._thread.join(timeout=10)
+        self._endings.stop(ENDINGS_FLUSH_S)
         if self._stream is not None:
             self._stream.close()
         if self.link is not None:
@@ -252,16 +333,30 @@ class Engine:
         while True:
             if msg[0] == "add":
                 self._requests[msg[1].request_id] = msg[1]
+                self._moved.pop(msg[1].request_id, None)  # moved back here
             elif msg[0] == "cancel":
-                r = self._requests.get(msg[1])
-                if r is not None:
-                    log.debug("%s: %s ends: %s", self.name, r.request_id, msg[2])
-                    self._emit([r.next_event(finish=CANCELLED)], r)
-                    self._finish(r)
+                self._cancel(msg[1], msg[2])
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _cancel(self, request_id: str, reason: str) -> None:
+        r = self._requests.get(request_id)
+        if r is not None:
+            log.debug("%s: %s ends: %s", self.name, r.request_id, reason)
+            self._end(r, r.next_event(finish=CANCELLED))
+            return
+        engine = self._moved.get(request_id)
+        if engine is None:
+            return  # ended already
+        # routed here while the request was being moved (the coordinator learns where it went only
+        # once `replica_down` returns): it must not be lost, so it follows the request
+        log.info("%s: cancel of %s follows it to %s", self.name, request_id, engine)
+        try:
+            self.hooks.forward_cancel(request_id, engine, reason)
+        except Exception:  # noqa: BLE001
+            log.exception("%s: could not forward the cancel of %s to %s", self.name, request_id, engine)
 
     def _step(self, batch: list[RequestState]) -> None:
         t0 = time.perf_counter()
@@ -308,9 +403,7 @@ class Engine:
             if finish is None:
                 self._request_draft(r, told, nodes - r.last_nodes, tokens - r.last_tokens)
         for r, _, out, finish in done:
-            self._emit([r.next_event(tokens=tuple(out), tree_nodes=r.last_nodes, step_ms=step_ms, finish=finish)], r)
-            if finish is not None:
-                self._finish(r)
+            self._publish(r, r.next_event(tokens=tuple(out), tree_nodes=r.last_nodes, step_ms=step_ms, finish=finish))
 
     def _verify(self, request):
         """One step's Verify, over the stream when the verifier has VerifyStream. A failed stream
@@ -409,9 +502,7 @@ class Engine:
         if finish is None and self.link is not None and r.spec.speculation.enabled:
             self.link.open(r.request_id, r.spec.sampling.to_proto(), r.spec.speculation.draft_options())
             self._request_draft(r, None)
-        self._emit([r.next_event(tokens=tuple(out), tree_nodes=0, step_ms=ms, finish=finish)], r)
-        if finish is not None:
-            self._finish(r)
+        self._publish(r, r.next_event(tokens=tuple(out), tree_nodes=0, step_ms=ms, finish=finish))
 
     # ---- failures -----------------------------------------------------------------------
     def _item_failed(self, r: RequestState, code: int, message: str) -> None:
@@ -434,6 +525,7 @@ class Engine:
         log.warning("%s: verifier %s failed (%s): replica down", self.name, self.config.verifier, exc.code().name)
         self._down_since = time.monotonic()
         for r in self._requests.values():
+            self._stale_vids.append(r.vid)  # a verifier that was only cut off still holds it
             r.epoch += 1
             r.needs_prefill, r.pending_commit, r.awaiting_draft = True, None, False
         self._offer_elsewhere()
@@ -456,21 +548,20 @@ class Engine:
                 self._count -= 1
             if self.link is not None:
                 self.link.close(rid, end=False)
+            self._remember_move(rid, taken[rid])
             self.outbox.put(r.spec.front, [Event(rid, -1, moved_to=taken[rid])])
 
+    def _remember_move(self, request_id: str, engine: str) -> None:
+        """Cancels already on their way here follow the request (`_cancel`); later ones go to the
+        new engine directly. The oldest moves are forgotten past MOVED_MEMORY."""
+        self._moved[request_id] = engine
+        self._moved.move_to_end(request_id)
+        while len(self._moved) > MOVED_MEMORY:
+            self._moved.popitem(last=False)
+
     def _probe(self) -> None:
-        try:
-            self._connect(1.0)
-        except (grpc.RpcError, grpc.FutureTimeoutError):
-            waited = time.monotonic() - self._down_since
-            if waited > self.config.replica_timeout_s:
-                for r in list(self._requests.values()):
-                    self._fail(r, grpc.StatusCode.UNAVAILABLE.value[0],
-                               f"verifier {self.config.verifier} unreachable for {waited:.0f} s")
-                self._down_since = time.monotonic()
-            elif time.monotonic() - self._last_offer > 2.0:
-                self._offer_elsewhere()
-            self._stop.wait(0.2)
+        if not self._answers_again():
+            self._still_down()
             return
         log.info("%s: verifier %s is back; re-prefilling %d requests", self.name, self.config.verifier,
                  sum(r.needs_prefill for r in self._requests.values()))
@@ -479,6 +570,47 @@ class Engine:
             self.hooks.replica_up()
         except Exception:  # noqa: BLE001
             log.exception("%s: replica_up hook failed", self.name)
+
+    def _still_down(self) -> None:
+        waited = time.monotonic() - self._down_since
+        if waited > self.config.replica_timeout_s:
+            for r in list(self._requests.values()):
+                self._fail(r, grpc.StatusCode.UNAVAILABLE.value[0],
+                           f"verifier {self.config.verifier} unreachable for {waited:.0f} s")
+            self._down_since = time.monotonic()
+        elif time.monotonic() - self._last_offer > 2.0:
+            self._offer_elsewhere()
+        self._stop.wait(0.2)
+
+    def _answers_again(self) -> bool:
+        """The verifier answers on a fresh channel, and has released what the failure left behind."""
+        try:
+            self._connect(1.0)
+        except (grpc.RpcError, grpc.FutureTimeoutError):
+            return False
+        return self._release_stale()
+
+    def _release_stale(self) -> bool:
+        """Release the sequence ids the failure left behind, side by side, each within
+        RELEASE_TIMEOUT_S, and before any re-prefill: a re-prefill that raced them would need a
+        second slot per request. A restarted verifier knows none of them (it answers released =
+        false), which is fine. False when the verifier stopped answering again; the ids not
+        released are kept for the next try."""
+        calls = [(vid, self._stub.Release.future(pb.ReleaseRequest(sequence_id=vid), timeout=RELEASE_TIMEOUT_S))
+                 for vid in self._stale_vids]
+        kept = []
+        for vid, call in calls:
+            try:
+                call.result()
+            except grpc.RpcError as exc:
+                if exc.code() in _DOWN_CODES:
+                    kept.append(vid)
+                else:  # nothing to retry: a sequence the verifier refuses to release is not ours to free
+                    log.warning("%s: release of %s refused (%s)", self.name, vid, exc.code().name)
+        if calls:
+            log.info("%s: released %d sequences left by the failure", self.name, len(calls) - len(kept))
+        self._stale_vids = kept
+        return not kept
 
     def _connect(self, timeout: float):
         """A fresh channel: after a restart it connects at once instead of waiting out gRPC's
@@ -526,10 +658,17 @@ class Engine:
 
     # ---- endings ------------------------------------------------------------------------
     def _fail(self, r: RequestState, code: int, message: str) -> None:
-        self._emit([r.next_event(error=(code, message))], r)
-        self._finish(r)
+        self._end(r, r.next_event(error=(code, message)))
 
-    def _finish(self, r: RequestState) -> None:
+    def _publish(self, r: RequestState, event: Event) -> None:
+        if event.last:
+            self._end(r, event)
+        else:
+            self._emit([event], r)
+
+    def _end(self, r: RequestState, last: Event) -> None:
+        """Free the request here; its last event goes out through `_endings`, once the coordinator
+        has forgotten it."""
         if self._requests.pop(r.request_id, None) is None:
             return
         with self._count_lock:
@@ -538,10 +677,7 @@ class Engine:
             self._release_async(r.vid)
         if self.link is not None:
             self.link.close(r.request_id)
-        try:
-            self.hooks.finished([r.request_id])
-        except Exception:  # noqa: BLE001
-            log.exception("%s: finished hook failed", self.name)
+        self._endings.put(r.spec.front, last)
 
     def _release_async(self, vid: str) -> None:
         stub = self._stub

@@ -2,14 +2,22 @@
 
 Text lives here, tokens live in the engines: the servicer tokenises text prompts, detokenises
 incrementally and applies stop strings (`output.OutputStream`); when a stop string ends a request
-early it tells the engine to free the sequence. A client that disconnects (or whose deadline
-passes) frees its sequence on the verifier and the drafter the same way.
+early it tells the engine to free the sequence, and sends FINISH_REASON_STOP once the engine has
+ended it (bounded by STOP_WAIT_S), so the client may reuse the request id at once. A client that
+disconnects (or whose deadline passes), at any moment after the submission, frees its sequence on
+the verifier and the drafter the same way.
+
+Each open Generate stream holds one of the server's worker threads for its whole life, so the
+servicer takes at most `FrontLimits.max_streams` of them and refuses more with RESOURCE_EXHAUSTED;
+the server has UNARY_WORKERS more (`worker_count`), which keep Cancel, health checks and
+reflection answering when every stream is taken.
 """
 from __future__ import annotations
 
 import logging
 import math
 import secrets
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -31,6 +39,8 @@ log = logging.getLogger("treeserve.orchestrator.generation")
 MAX_REQUEST_ID_BYTES = 96  # the verifier's sequence id adds "#<epoch>" and allows 128
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
+STOP_WAIT_S = 5.0  # longest wait, after a stop string, for the engine to end the request
+UNARY_WORKERS = 16  # server workers beyond max_streams: Cancel, health and reflection never queue behind streams
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _FINISH = {LENGTH: pb.FINISH_REASON_LENGTH, EOS: pb.FINISH_REASON_EOS, CANCELLED: pb.FINISH_REASON_CANCELLED}
 _MODES = {pb.SPECULATION_MODE_OFF: "off", pb.SPECULATION_MODE_CHAIN: "chain", pb.SPECULATION_MODE_TREE: "tree"}
@@ -48,6 +58,38 @@ class StatusError(ServeError):
 class FrontLimits:
     default_max_new_tokens: int = 256
     max_new_tokens: int = 4096
+    max_streams: int = 240  # open Generate streams; more are refused with RESOURCE_EXHAUSTED
+
+    def __post_init__(self):
+        if self.max_streams < 1:
+            raise ValueError(f"max_streams must be at least 1, got {self.max_streams}")
+
+    def worker_count(self) -> int:
+        """Server worker threads: one per stream, plus UNARY_WORKERS for everything else."""
+        return self.max_streams + UNARY_WORKERS
+
+
+class _Cancellation:
+    """Cancels a request on the services at most once, and not once it has ended. Called from the
+    RPC's done-callback (a gRPC thread) and from the handler, hence the lock."""
+
+    def __init__(self, router: Router, request_id: str):
+        self._router = router
+        self._request_id = request_id
+        self._lock = threading.Lock()
+        self._settled = False
+
+    def ended(self) -> None:
+        """The request's last event arrived: nothing is left to cancel."""
+        with self._lock:
+            self._settled = True
+
+    def __call__(self, reason: str = "client went away") -> None:
+        with self._lock:
+            if self._settled:
+                return
+            self._settled = True
+        self._router.cancel(self._request_id, reason)
 
 
 class GenerationServicer(pbg.GenerationServicer):
@@ -56,11 +98,17 @@ class GenerationServicer(pbg.GenerationServicer):
         self._tok = tokenizer
         self._limits = limits
         self._poll = poll_s
+        self._streams = threading.BoundedSemaphore(limits.max_streams)
 
     # ---- RPCs ---------------------------------------------------------------------------
     @grpc_errors
     def Generate(self, request, context):
         m = metrics()
+        if not self._streams.acquire(blocking=False):
+            m.requests.labels(outcome=grpc.StatusCode.RESOURCE_EXHAUSTED.name).inc()
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"this server is streaming its limit of {self._limits.max_streams} requests: "
+                              "retry later or on another front")
         m.active.inc()
         try:
             yield from self._generate(request, context, m)
@@ -69,6 +117,7 @@ class GenerationServicer(pbg.GenerationServicer):
             raise
         finally:
             m.active.dec()
+            self._streams.release()
 
     def _generate(self, request, context, m):
         t0 = time.perf_counter()
@@ -76,57 +125,70 @@ class GenerationServicer(pbg.GenerationServicer):
         inbox, error = self._router.submit(spec)
         if error is not None:
             raise StatusError(*error)
-        rid = spec.request_id
-        state = {"open": True}
-
-        def on_done():  # the RPC ended: normal end, client cancel, disconnect or deadline
-            if state["open"]:
-                state["open"] = False
-                self._router.cancel(rid, "client went away")
-
-        context.add_callback(on_done)
-        sent = 0
+        cancel = _Cancellation(self._router, spec.request_id)
         try:
-            while True:
-                ev = inbox.get(self._poll)
-                if ev is None:
-                    if not context.is_active():
-                        return
-                    continue
-                if ev.error is not None:
-                    state["open"] = False
-                    raise StatusError(*ev.error)
-                chunk = stream.push(ev.tokens)
-                finish = _FINISH.get(ev.finish, pb.FINISH_REASON_UNSPECIFIED)
-                if chunk.stopped:
-                    finish = pb.FINISH_REASON_STOP
-                    self._router.cancel(rid, "stop string")
-                elif ev.finish is not None:
-                    tail = stream.finish()
-                    chunk.token_ids += tail.token_ids
-                    chunk.text += tail.text
-                if chunk.token_ids and not sent:
-                    m.first_token.observe(time.perf_counter() - t0)
-                sent += len(chunk.token_ids)
-                msg = pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text,
-                                          step=pb.StepStats(tree_nodes=ev.tree_nodes, accepted_tokens=len(ev.tokens),
-                                                            step_ms=ev.step_ms),
-                                          finish_reason=finish)
-                if finish != pb.FINISH_REASON_UNSPECIFIED:
-                    state["open"] = False
-                    msg.generated_tokens = sent
-                    msg.target_forwards = ev.forwards
-                    msg.mean_accepted = sent / ev.forwards if ev.forwards else 0.0
-                    m.requests.labels(outcome=pb.FinishReason.Name(finish).removeprefix("FINISH_REASON_")).inc()
-                    m.tokens.inc(sent)
-                    m.forwards.inc(ev.forwards)
-                    if ev.forwards:
-                        m.tau.observe(msg.mean_accepted)
-                    yield msg
-                    return
-                yield msg
+            # the RPC ends (normal end, client cancel, disconnect or deadline): cancel unless it ended
+            if not context.add_callback(cancel):
+                cancel()  # it ended while the request was being submitted: the callback will never run
+                return
+            yield from self._relay(inbox, stream, cancel, context, m, t0)
         finally:
-            self._router.forget(rid)
+            cancel()  # every exit before the request's end (the client left, an error here) frees it
+            self._router.forget(inbox)
+
+    def _relay(self, inbox, stream: OutputStream, cancel: _Cancellation, context, m, t0: float):
+        """The request's events as response messages, until its last one or until the client leaves."""
+        rid = inbox.request_id
+        sent = 0
+        while True:
+            ev = inbox.get(self._poll)
+            if ev is None:
+                if not context.is_active():
+                    return
+                continue
+            if ev.error is not None:
+                cancel.ended()
+                raise StatusError(*ev.error)
+            chunk = stream.push(ev.tokens)
+            finish = _FINISH.get(ev.finish, pb.FINISH_REASON_UNSPECIFIED)
+            if chunk.stopped:
+                finish = pb.FINISH_REASON_STOP
+                if not ev.last:  # the engine is still running it
+                    cancel("stop string")
+                    self._await_end(inbox)
+            elif ev.finish is not None:
+                tail = stream.finish()
+                chunk.token_ids += tail.token_ids
+                chunk.text += tail.text
+            if chunk.token_ids and not sent:
+                m.first_token.observe(time.perf_counter() - t0)
+            sent += len(chunk.token_ids)
+            msg = pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text,
+                                      step=pb.StepStats(tree_nodes=ev.tree_nodes, accepted_tokens=len(ev.tokens),
+                                                        step_ms=ev.step_ms),
+                                      finish_reason=finish)
+            if finish == pb.FINISH_REASON_UNSPECIFIED:
+                yield msg
+                continue
+            cancel.ended()
+            _add_totals(msg, sent, ev.forwards, m)
+            self._router.forget(inbox)  # before the client hears the end: it may reuse the id at once
+            yield msg
+            return
+
+    def _await_end(self, inbox) -> None:
+        """After a stop string: wait (at most STOP_WAIT_S) for the engine's own last event of the
+        request, the cancel's or a finish that crossed it. The engine publishes it only once the
+        coordinator has forgotten the id (`engine.Endings`), so a client that gets
+        FINISH_REASON_STOP can reuse the id at once; and the coordinator's record stays the
+        engine's, cleared when the slot is free, so its load count stays right. Tokens in between
+        are past the stop and dropped."""
+        deadline = time.monotonic() + STOP_WAIT_S
+        while (left := deadline - time.monotonic()) > 0:
+            ev = inbox.get(min(left, self._poll))
+            if ev is not None and ev.last:
+                return
+        log.warning("request %s: no end from its engine %.0f s after its stop string", inbox.request_id, STOP_WAIT_S)
 
     @grpc_errors
     def Cancel(self, request, context):
@@ -176,6 +238,18 @@ class GenerationServicer(pbg.GenerationServicer):
             raise InvalidArgument("stop strings need a tokenizer, and this server has none")
         spec = RequestSpec(rid, prompt, sampling, max_new, parse_speculation(request.speculation), self._router.front)
         return spec, OutputStream(self._tok, stops, context=prompt)
+
+
+def _add_totals(msg, sent: int, forwards: int, m) -> None:
+    """The last message's totals, and the finished request's metrics."""
+    msg.generated_tokens = sent
+    msg.target_forwards = forwards
+    msg.mean_accepted = sent / forwards if forwards else 0.0
+    m.requests.labels(outcome=pb.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_")).inc()
+    m.tokens.inc(sent)
+    m.forwards.inc(forwards)
+    if forwards:
+        m.tau.observe(msg.mean_accepted)
 
 
 def parse_speculation(msg) -> Speculation:

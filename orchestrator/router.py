@@ -4,7 +4,9 @@ engines' outboxes, cancel.
 One reader thread per engine long-polls `EngineActor.drain(front)` and files each event into its
 request's `Inbox`. Events carry a per-request sequence number, and the inbox releases them in
 order: a request that moved between engines may have its last events from the old engine and
-its first from the new one drained in either order.
+its first from the new one drained in either order. A reader whose engine died asks the
+coordinator to drop it (`Coordinator.check_engine`) before it fails the engine's requests, so a
+client that retries with the same id is not told the id is still live.
 """
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ class Router:
         except Exception as exc:  # noqa: BLE001 - the coordinator itself is gone
             error, engine = (_UNAVAILABLE, f"coordinator unavailable: {exc}"), None
         if error is not None:
-            self.forget(spec.request_id)
+            self.forget(inbox)
             return None, error
         inbox.engine = engine
         self._ensure_reader(engine)
@@ -88,9 +90,12 @@ class Router:
             log.exception("cancel of %s failed", request_id)
             return False
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, inbox: Inbox) -> None:
+        """Stop filing events for `inbox`'s request (idempotent). Only that inbox: a new request
+        may reuse the id as soon as its client has heard the end of this one."""
         with self._lock:
-            self._inboxes.pop(request_id, None)
+            if self._inboxes.get(inbox.request_id) is inbox:
+                del self._inboxes[inbox.request_id]
 
     def limits(self) -> Optional[dict]:
         return ray.get(self.coordinator.limits.remote())
@@ -116,6 +121,8 @@ class Router:
         while not self._stopped.is_set():
             try:
                 events = ray.get(handle.drain.remote(self.front, 1.0))
+            except SystemExit:  # what Ray raises here when this process shuts it down
+                return
             except Exception as exc:  # noqa: BLE001 - RayActorError and friends: the engine died
                 log.warning("engine %s unreachable: %s", engine, exc)
                 self._fail_engine(engine, f"engine {engine} died")
@@ -132,6 +139,10 @@ class Router:
                 inbox.deliver(ev)
 
     def _fail_engine(self, engine: str, message: str) -> None:
+        try:
+            ray.get(self.coordinator.check_engine.remote(engine), timeout=15)
+        except Exception:  # noqa: BLE001 - the requests fail all the same
+            log.exception("could not report engine %s to the coordinator", engine)
         with self._lock:
             lost = [i for i in self._inboxes.values() if i.engine == engine]
             self._readers.pop(engine, None)

@@ -103,7 +103,8 @@ class Orchestrator:
         front = f"front-{socket.gethostname()}-{os.getpid()}"
         self._router = Router(c.namespace, front)
         servicer = GenerationServicer(self._router, tokenizer, c.limits)
-        self.server = Server(f"{c.host}:{c.port}", max_workers=256, auth_token=c.auth_token,
+        # a worker per open stream (at most limits.max_streams) and some for Cancel and the rest
+        self.server = Server(f"{c.host}:{c.port}", max_workers=c.limits.worker_count(), auth_token=c.auth_token,
                              grace_s=c.shutdown_grace_s)
         self.server.add(pbg.add_GenerationServicer_to_server, servicer, "Generation")
         self.server.start()

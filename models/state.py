@@ -78,6 +78,12 @@ class StatePool:
         self._in_use[slot] = True
         self._lengths[slot] = 0
         self._bump(slot)
+        if self.n_mamba:
+            # a reused slot still holds its last sequence's states; a prefill from length 0 never
+            # reads them, but a decode or verify of an empty sequence does (K/V are read only up
+            # to the slot's length, so they need nothing)
+            self.ssm[slot].zero_()
+            self.conv[slot].zero_()
         return slot
 
     def free(self, slot: int) -> None:

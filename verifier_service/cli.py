@@ -103,13 +103,16 @@ def start(
 def run(args: argparse.Namespace) -> int:
     from treeserve.server import start_metrics
 
-    server = start(
-        args.model, device=args.device, dtype=args.dtype, limits=limits_from(args),
-        address=f"{args.host}:{args.port}", auth_token=args.auth_token, cuda_graphs=args.cuda_graphs,
-        grace_s=args.shutdown_grace_s,
-        direct_address=None if args.direct_port is None else f"{args.host}:{args.direct_port}",
-        direct_poll_s=args.direct_poll_us * 1e-6,
-    )
+    try:
+        server = start(
+            args.model, device=args.device, dtype=args.dtype, limits=limits_from(args),
+            address=f"{args.host}:{args.port}", auth_token=args.auth_token, cuda_graphs=args.cuda_graphs,
+            grace_s=args.shutdown_grace_s,
+            direct_address=None if args.direct_port is None else f"{args.host}:{args.direct_port}",
+            direct_poll_s=args.direct_poll_us * 1e-6,
+        )
+    except ValueError as exc:  # a checkpoint that does not load (CheckpointError), CUDA graphs on a CPU...
+        raise SystemExit(f"verifier: {exc}") from None
     start_metrics(args.metrics_port)
     # after loading (the spinners would slow it down a little), before the first client can call
     with cores.CoreSpinners(args.keep_cores_awake):

@@ -15,7 +15,7 @@ MODEL_TYPES = ("bamba",)
 
 
 def _rope(hf, head_dim: int, path: str) -> tuple[int, float]:
-    """(rotary_dim, rope_theta): Bamba and Granite rotate `partial_rotary_factor` of each head."""
+    """(rotary_dim, rope_theta): Bamba rotates `partial_rotary_factor` of each head."""
     params = common.rope_parameters(hf, hf.model_type, path)
     factor = params.get("partial_rotary_factor", 1.0)
     return int(head_dim * factor), params["rope_theta"]

@@ -5,13 +5,15 @@ Mamba2 mixer or an attention (by `layer_types`), then a mixture of experts plus 
 As transformers defines it: embeddings times `embedding_multiplier`, every sublayer output times
 `residual_multiplier` before the residual add, attention scale `attention_multiplier`, logits
 divided by `logits_scaling`, RoPE only when `position_embedding_type == "rope"`, softmax over the
-top-k router logits, an ungrouped gated RMSNorm and the conv activation from `hidden_act`.
+top-k router logits, an ungrouped gated RMSNorm and the conv activation from `hidden_act`. Its RoPE
+rotates the whole head: transformers' Granite never reads `partial_rotary_factor`, which a config
+may still carry.
 Published checkpoints name the experts `input_linear` / `output_linear` and the router `router.layer`.
 """
 from __future__ import annotations
 
 from models.arch import common
-from models.arch.bamba import _rope, mamba_spec
+from models.arch.bamba import mamba_spec
 from models.config import HybridConfig, MambaSpec, MLPSpec, MoESpec
 
 MODEL_TYPES = ("granitemoehybrid",)
@@ -20,7 +22,10 @@ MODEL_TYPES = ("granitemoehybrid",)
 def normalise(hf, path: str) -> HybridConfig:
     common.require_silu(hf.hidden_act, "GraniteMoeHybrid", path)
     mamba = mamba_spec(hf, path)
-    rotary_dim, theta = _rope(hf, common.head_dim(hf), path) if hf.position_embedding_type == "rope" else (0, 10000.0)
+    if hf.position_embedding_type == "rope":
+        rotary_dim, theta = common.head_dim(hf), common.rope_parameters(hf, "GraniteMoeHybrid", path)["rope_theta"]
+    else:
+        rotary_dim, theta = 0, 10000.0
     attn = common.attention_spec(hf, rotary_dim, theta, scale=float(hf.attention_multiplier))
     if hf.num_local_experts > 0:
         ffn = MoESpec(

@@ -77,6 +77,19 @@ def test_verify_every_node_then_commit_and_decode(saved, arch):
             close(out[b], hf_logits(model, prompts[b])[-1], f"decode after commit, round {rnd} seq {b}")
 
 
+def test_granite_rope_ignores_partial_rotary_factor(tmp_path):
+    """transformers' Granite rotates the whole head whatever `partial_rotary_factor` a config carries."""
+    from tests.models.hf_zoo import make_model
+
+    model = make_model("granitemoehybrid", partial_rotary_factor=0.5)
+    model.save_pretrained(tmp_path)
+    lm = HybridLM.from_pretrained(tmp_path, max_slots=1, max_len=32)
+    prompt = random_prompt(random.Random(6), 12)
+    s = lm.pool.alloc()
+    close(lm.prefill([s], [prompt])[0], hf_logits(model, prompt)[-1], "prefill")
+    close(lm.decode([s], [5])[0], hf_logits(model, prompt + [5])[-1], "decode")
+
+
 def test_commit_handles_from_different_verify_calls(saved):
     path, model = saved("bamba")
     lm = HybridLM.from_pretrained(path, max_slots=3, max_len=64)

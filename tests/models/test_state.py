@@ -27,6 +27,31 @@ def test_exhaustion_and_reuse(saved):
     lm.commit([])
 
 
+@pytest.mark.parametrize("arch", ["mamba2", "nemotron_h"])
+def test_a_reused_slot_starts_empty(saved, arch):
+    """Decode and verify from length 0 on a slot that held another sequence give what they give on
+    a slot never used: the old sequence's SSM and conv states are gone."""
+    lm = HybridLM.from_pretrained(saved(arch)[0], max_slots=2, max_len=32)
+    fresh = lm.pool.alloc()
+    want_decode = lm.decode([fresh], [5])[0]
+    used = lm.pool.alloc()
+    lm.prefill([used], [random_prompt(random.Random(3), 20)])
+    lm.pool.free(used)
+    again = lm.pool.alloc()
+    assert again == used
+    torch.testing.assert_close(lm.decode([again], [5])[0], want_decode, rtol=0, atol=1e-5)
+    lm.pool.free(fresh)
+    lm.pool.free(again)
+    tree = random_tree(random.Random(4), 5, 6, "random")
+    a = lm.pool.alloc()
+    want_verify = lm.verify([a], [tree]).logits
+    lm.prefill([a], [random_prompt(random.Random(5), 20)])
+    lm.pool.free(a)
+    b = lm.pool.alloc()
+    assert b == a
+    torch.testing.assert_close(lm.verify([b], [tree]).logits, want_verify, rtol=0, atol=1e-5)
+
+
 def test_too_long_is_refused_before_any_work(saved):
     lm = HybridLM.from_pretrained(saved("bamba")[0], max_slots=2, max_len=10)
     s = lm.pool.alloc()

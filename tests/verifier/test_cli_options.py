@@ -9,7 +9,7 @@ import math
 import pytest
 
 from treeserve.h2grpc.server import POLL_SECONDS
-from verifier_service.cli import add_arguments, limits_from
+from verifier_service.cli import add_arguments, limits_from, run
 from verifier_service.limits import MAX_BATCH_WINDOW_MS, Limits
 
 
@@ -61,3 +61,12 @@ def test_a_bad_idle_timeout_is_refused(bad, capsys):
 def test_limits_refuse_what_the_cli_refuses(field, bad):
     with pytest.raises(ValueError, match=field):
         Limits(**{field: bad}).validate()
+
+
+def test_a_checkpoint_that_does_not_load_is_one_line_not_a_traceback(tmp_path):
+    args = parse("--device", "cpu")
+    args.model = str(tmp_path / "nowhere")
+    with pytest.raises(SystemExit) as exit_:
+        run(args)
+    assert str(exit_.value).startswith("verifier: ") and "config.json" in str(exit_.value)
+

@@ -15,7 +15,8 @@ Layout (one job per module):
 | `draftlm` | the draft model (`models.HybridLM`) driven one slot, one tree at a time; CUDA graphs |
 | `state` | per-sequence draft state kept in step with the committed length |
 | `ahead` | draft-ahead: predicted outcomes, trees prepared in the background |
-| `engine` | sequences and requests, without the wire |
+| `engine` | sequences and requests, without the wire; the idle sweep |
+| `limits` | default limits (sequence length, idle timeout) shared by the engine and the CLI |
 | `servicer`, `cli`, `client` | the gRPC service, `treeserve drafter`, a client for it |
 """
 import treeserve  # noqa: F401,E402  (first: gRPC core settings before anything loads grpc)

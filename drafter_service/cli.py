@@ -3,13 +3,32 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import Callable
 
+from drafter_service.limits import IDLE_TIMEOUT_S, MODEL_MAX_LEN, NGRAM_MAX_LEN
 from treeserve import cores
-from treeserve.server import add_grace_argument
+from treeserve.server import add_grace_argument, number_argument
 
 log = logging.getLogger("treeserve.drafter")
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def count_argument(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= `low`. A value the drafter could only fail on later
+    (a negative slot count, an empty tree) is refused when the command line is read, with the
+    option's name (`number_argument` is its twin for real numbers)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,24 +43,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default tree shape (dynamic with a model, ngram without)")
     p.add_argument("--static-shape", default="stree-13",
                    help="static shape table: a preset name or per-level branching like '3,2-1,2-1,3'")
-    p.add_argument("--node-budget", type=int, default=16, help="default nodes per tree, root included")
-    p.add_argument("--max-depth", type=int, default=6, help="default depth limit")
-    p.add_argument("--max-nodes", type=int, default=256, help="largest tree any request may ask for")
+    p.add_argument("--node-budget", type=count_argument(1), default=16, help="default nodes per tree, root included")
+    p.add_argument("--max-depth", type=count_argument(0), default=6, help="default depth limit")
+    p.add_argument("--max-nodes", type=count_argument(1), default=256, help="largest tree any request may ask for")
     p.add_argument("--no-draft-ahead", action="store_true", help="never prepare trees for predicted outcomes")
-    p.add_argument("--ahead-trees", type=int, default=4, help="outcomes prepared per tree by draft-ahead")
-    p.add_argument("--ahead-fanout", type=int, default=4, help="bonus guesses for the likeliest accepted node")
-    p.add_argument("--ahead-slots", type=int, default=None,
+    p.add_argument("--ahead-trees", type=count_argument(0), default=4, help="outcomes prepared per tree by draft-ahead")
+    p.add_argument("--ahead-fanout", type=count_argument(1), default=4,
+                   help="bonus guesses for the likeliest accepted node")
+    p.add_argument("--ahead-slots", type=count_argument(0), default=None,
                    help="state slots for prepared outcomes, shared by all sequences (default: max-sequences x "
                         "ahead-trees); when none is free an outcome is simply not prepared")
-    p.add_argument("--support", type=int, default=64,
+    p.add_argument("--support", type=count_argument(1), default=64,
                    help="most tokens in a reported draft distribution (sampling); larger supports are truncated")
-    p.add_argument("--vocab-limit", type=int, default=0,
-                   help="only draft tokens below this id (the target's vocabulary size when the draft's is padded)")
+    p.add_argument("--vocab-limit", type=count_argument(0), default=0,
+                   help="only draft tokens below this id (the target's vocabulary size when the draft's is padded; "
+                        "0: no limit)")
     p.add_argument("--trim-vocab", default=None, metavar="FILE",
                    help="draft only the tokens listed in this file (built by `treeserve trim-vocab`; a directory "
                         "means its vocab_subset.json): the LM head shrinks to those rows")
-    p.add_argument("--max-sequences", type=int, default=64)
-    p.add_argument("--max-len", type=int, default=8192, help="longest sequence the draft model keeps state for")
+    p.add_argument("--max-sequences", type=count_argument(1), default=64)
+    p.add_argument("--max-len", type=count_argument(1), default=None,
+                   help=f"longest sequence in tokens: what the draft model keeps state for (default {MODEL_MAX_LEN}), "
+                        f"or with --ngram the history it searches (default {NGRAM_MAX_LEN}); longer ones are refused")
+    p.add_argument("--idle-timeout-s", type=number_argument("seconds"), default=IDLE_TIMEOUT_S, metavar="S",
+                   help=f"end sequences no request touched for this long (0: never; default {IDLE_TIMEOUT_S:g})")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA graphs for the draft model's steps (default: on with a CUDA device, captured at "
                         "start-up; --no-cuda-graphs runs it eagerly)")
@@ -74,7 +99,8 @@ def build(args: argparse.Namespace):
 
         try:
             model = DraftModel.load(args.model, device=args.device, dtype=dtype,
-                                    max_slots=args.max_sequences + ahead_slots, max_len=args.max_len,
+                                    max_slots=args.max_sequences + ahead_slots,
+                                    max_len=args.max_len or MODEL_MAX_LEN,
                                     vocab_limit=args.vocab_limit or None, cuda_graphs=args.cuda_graphs,
                                     fork_slots=ahead_slots, trim=args.trim_vocab)
         except VocabFileError as exc:
@@ -85,17 +111,16 @@ def build(args: argparse.Namespace):
     defaults = Options(shape, args.node_budget, args.max_depth, not args.no_draft_ahead)
     ahead = None if args.no_draft_ahead else AheadConfig(args.ahead_trees, args.ahead_fanout)
     return Drafter(model, defaults, max_sequences=args.max_sequences, max_nodes=args.max_nodes, ahead=ahead,
-                   static_table=table, support=args.support)
+                   static_table=table, support=args.support, max_len=args.max_len or NGRAM_MAX_LEN,
+                   idle_timeout_s=args.idle_timeout_s)
 
 
 def run(args: argparse.Namespace) -> int:
-    from drafter_service.servicer import DrafterServicer
-    from treeserve.server import Server, start_metrics
-    from treeserve.v1 import treeserve_pb2_grpc as pbg
+    from drafter_service.servicer import serve
+    from treeserve.server import start_metrics
 
     drafter = build(args)
-    server = Server(f"{args.host}:{args.port}", auth_token=args.auth_token, grace_s=args.shutdown_grace_s)
-    server.add(pbg.add_DrafterServicer_to_server, DrafterServicer(drafter, stopping=server.stopping), "Drafter").start()
+    server = serve(drafter, f"{args.host}:{args.port}", auth_token=args.auth_token, grace_s=args.shutdown_grace_s)
     start_metrics(args.metrics_port)
     log.info("drafter: %s, defaults %s", drafter.strategy, drafter.defaults)
     if drafter.model is not None:

@@ -9,12 +9,19 @@
 Rules a draft request must follow (each broken rule is an error with its gRPC code, and changes
 nothing): the sequence exists (NOT_FOUND); tokens are in the vocabulary and the budget is not
 negative (INVALID_ARGUMENT); `committed_length == drafter's length + len(appended)`
-(FAILED_PRECONDITION: the orchestrator resynchronises with StartSequence); an outcome, when given
-after a tree, is a root path of that tree whose tokens are exactly `appended` and whose bonus is
-the new root (INVALID_ARGUMENT). Repeating the previous request verbatim returns the previous answer.
+(FAILED_PRECONDITION: the orchestrator resynchronises with StartSequence); the new length is at
+most `max_len` (RESOURCE_EXHAUSTED; StartSequence with more tokens is INVALID_ARGUMENT); an outcome,
+when given after a tree, is a root path of that tree whose tokens are exactly `appended` and whose
+bonus is the new root (INVALID_ARGUMENT). Repeating the previous request verbatim returns the
+previous answer.
+
+A sequence that no request touched (StartSequence, a draft) for `idle_timeout_s` seconds is ended
+by a background sweep, as the verifier releases its idle sequences: a client that went away
+without EndSequence must not hold a slot for good.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -25,6 +32,7 @@ from drafter_service.children import DEFAULT_SUPPORT, ChildPicker, rule_for
 from drafter_service.draftlm import DraftModel
 from drafter_service.dynamic import DynamicProposer
 from drafter_service.fused import FusedProposer
+from drafter_service.limits import IDLE_TIMEOUT_S, NGRAM_MAX_LEN
 from drafter_service.metrics import DrafterMetrics
 from drafter_service.ngram import NgramProposer
 from drafter_service.proposer import Proposer, draft_tree
@@ -34,6 +42,8 @@ from treeserve.acceptance import Outcome
 from treeserve.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from treeserve.sampling import Sampling
 from treeserve.tree import TokenTree
+
+log = logging.getLogger("treeserve.drafter")
 
 SHAPES = ("dynamic", "static", "chain", "ngram", "fused")
 MAX_SEQUENCE_ID_BYTES = 128
@@ -80,6 +90,7 @@ class _Sequence:
     last_call: DraftCall | None = None
     last_reply: DraftReply | None = None
     round: Round | None = None
+    last_used: float = 0.0  # the drafter's clock at the last request that touched it (idle sweep)
 
     broken: str | None = None  # why the draft state can no longer be trusted (needs StartSequence)
 
@@ -104,14 +115,26 @@ class _Sequence:
 class Drafter:
     def __init__(self, model: DraftModel | None, defaults: Options | None = None, *, max_sequences: int = 64,
                  max_nodes: int = 256, ahead: AheadConfig | None = AheadConfig(),
-                 static_table: ShapeTable = STREE_13, support: int = DEFAULT_SUPPORT):
-        """model None: n-gram drafting only. ahead None: draft-ahead off for every sequence."""
+                 static_table: ShapeTable = STREE_13, support: int = DEFAULT_SUPPORT,
+                 max_len: int = NGRAM_MAX_LEN, idle_timeout_s: float = IDLE_TIMEOUT_S, clock=time.monotonic,
+                 background_sweep: bool = True):
+        """model None: n-gram drafting only. ahead None: draft-ahead off for every sequence.
+        max_len: most tokens a sequence may hold without a model (with one, the model's max_len).
+        idle_timeout_s: end sequences untouched this long (0: never); clock: what their idle time
+        is read from; background_sweep: False leaves the sweeps to whoever calls `sweep` (tests
+        that drive their own clock), True runs them on a thread of their own."""
+        _check_positive(max_sequences=max_sequences, max_nodes=max_nodes, support=support, max_len=max_len)
+        if not idle_timeout_s >= 0:  # refuses NaN too
+            raise ValueError(f"idle_timeout_s must be >= 0, got {idle_timeout_s}")
         if defaults is None:
             defaults = Options(shape="dynamic" if model is not None else "ngram")
         self.model = model
         self.max_sequences = max_sequences
         self.max_nodes = max_nodes
         self.support = support
+        self.max_len = model.max_len if model is not None and model.max_len is not None else max_len
+        self.idle_timeout_s = idle_timeout_s
+        self._clock = clock
         ngram, dynamic = NgramProposer(), DynamicProposer()
         self.proposers: dict[str, Proposer] = {"ngram": ngram}
         if model is not None:
@@ -124,6 +147,9 @@ class Drafter:
         self._seqs: dict[str, _Sequence] = {}
         self._starting: set[str] = set()
         self._lock = threading.Lock()
+        self._sweeper = None
+        if idle_timeout_s > 0 and background_sweep:
+            self._sweeper = Sweeper(self.sweep, sweep_interval(idle_timeout_s))
 
     @property
     def strategy(self) -> str:
@@ -154,6 +180,8 @@ class Drafter:
     def start(self, sequence_id: str, tokens, sampling: Sampling = Sampling(), options: Options | None = None) -> int:
         """Begin (or reset) drafting for a sequence that has committed `tokens`."""
         _check_id(sequence_id)
+        if len(tokens) > self.max_len:  # before anything walks the tokens: they may be millions
+            raise InvalidArgument(f"{len(tokens)} tokens: this drafter keeps sequences of at most {self.max_len}")
         tokens = [int(t) for t in tokens]
         self._check_tokens(tokens, "tokens")
         try:
@@ -166,27 +194,46 @@ class Drafter:
         if proposer.uses_model:
             picker = ChildPicker(sampling, rule_for(sampling, with_dists=options.shape != "fused"), self.support)
         with self._foreground():
-            with self._lock:
-                old = self._seqs.pop(sequence_id, None)
-            if old is not None:
-                with old.lock:
-                    old.close()
-            with self._lock:
-                if sequence_id in self._starting:
-                    raise FailedPrecondition(f"sequence {sequence_id!r} is being started by another call")
-                if len(self._seqs) + len(self._starting) >= self.max_sequences:
-                    raise ResourceExhausted(f"drafter is at its limit of {self.max_sequences} sequences")
-                self._starting.add(sequence_id)  # the prefill runs outside the table lock
+            old = self._reserve(sequence_id)
             try:
+                if old is not None:
+                    with old.lock:
+                        old.close()
                 state = DraftState.open(sequence_id, tokens, sampling, picker,
                                         self.model if proposer.uses_model else None)
-            finally:
+            except BaseException:
                 with self._lock:
                     self._starting.discard(sequence_id)
-            with self._lock:
-                self._seqs[sequence_id] = _Sequence(sequence_id, options, proposer, state)
-                self.metrics.active(len(self._seqs))
+                raise
+            self._install(_Sequence(sequence_id, options, proposer, state))
         return len(tokens)
+
+    def _reserve(self, sequence_id: str) -> _Sequence | None:
+        """Mark `sequence_id` as starting and take its current sequence (if any) out of the table,
+        in one step: a second StartSequence for the id is refused from here on, so no two calls
+        both replace the old one and open a state each (one of which would never be freed).
+        Returns the old sequence, for the caller to close."""
+        with self._lock:
+            if sequence_id in self._starting:
+                raise FailedPrecondition(f"sequence {sequence_id!r} is being started by another call")
+            others = len(self._seqs) - (sequence_id in self._seqs) + len(self._starting)
+            if others >= self.max_sequences:
+                raise ResourceExhausted(f"drafter is at its limit of {self.max_sequences} sequences")
+            self._starting.add(sequence_id)  # the prefill runs outside the table lock
+            return self._seqs.pop(sequence_id, None)
+
+    def _install(self, seq: _Sequence) -> None:
+        """Put a started sequence in the table and end its reservation. An entry still there for
+        its id (none should be, while the id was reserved) is closed, never dropped with its slot."""
+        seq.last_used = self._clock()
+        with self._lock:
+            self._starting.discard(seq.id)
+            displaced = self._seqs.pop(seq.id, None)
+            self._seqs[seq.id] = seq
+            self.metrics.active(len(self._seqs))
+        if displaced is not None:
+            with displaced.lock:
+                displaced.close()
 
     def end(self, sequence_id: str) -> bool:
         with self._lock:
@@ -194,9 +241,31 @@ class Drafter:
             self.metrics.active(len(self._seqs))
         if seq is None:
             return False
+        self._close(seq)
+        return True
+
+    def sweep(self) -> list[str]:
+        """End the sequences that no request touched for `idle_timeout_s` seconds (none when it is
+        0); returns their ids. A sequence whose request is being answered is busy, not idle."""
+        if self.idle_timeout_s <= 0:
+            return []
+        now = self._clock()
+        with self._lock:
+            idle = [s for s in self._seqs.values()
+                    if now - s.last_used > self.idle_timeout_s and not s.lock.locked()]
+            for seq in idle:
+                del self._seqs[seq.id]
+            self.metrics.active(len(self._seqs))
+        for seq in idle:
+            self._close(seq)  # its slot and any draft-ahead forks
+            self.metrics.expired()
+            log.info("ended idle sequence %r (untouched for %.0f s)", seq.id, now - seq.last_used)
+        return [seq.id for seq in idle]
+
+    def _close(self, seq: _Sequence) -> None:
+        """Free a sequence already out of the table, once its request in flight (if any) is done."""
         with self._foreground(), seq.lock:
             seq.close()
-        return True
 
     def active(self) -> int:
         with self._lock:
@@ -207,6 +276,8 @@ class Drafter:
         t0 = time.perf_counter()
         with self._lock:
             seq = self._seqs.get(call.sequence_id)
+            if seq is not None:
+                seq.last_used = self._clock()
         if seq is None:
             raise NotFound(f"unknown sequence {call.sequence_id!r}: call StartSequence first")
         self._check_tokens(call.appended, "appended_tokens")
@@ -227,6 +298,9 @@ class Drafter:
                     f"sequence {call.sequence_id!r}: drafter has {seq.state.length} committed tokens, so with "
                     f"{len(call.appended)} appended the length is {expected}, not {call.committed_length}; "
                     "resynchronise with StartSequence")
+            if expected > self.max_len:  # refused before the state moves: the sequence stays usable
+                raise ResourceExhausted(f"sequence {call.sequence_id!r}: {expected} tokens would pass this drafter's "
+                                        f"limit of {self.max_len} per sequence")
             self._check_outcome(seq, call)
             budget = min(call.node_budget or seq.options.node_budget, self.max_nodes)
             try:
@@ -265,6 +339,8 @@ class Drafter:
         return self.worker.wait_idle(timeout) if self.worker is not None else True
 
     def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.close()
         if self.worker is not None:
             self.worker.close()
         with self._lock:
@@ -300,6 +376,41 @@ class Drafter:
                                   f"{list(call.appended)}")
         if out.bonus != call.root:
             raise InvalidArgument(f"outcome bonus_token {out.bonus} differs from root_token {call.root}")
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def sweep_interval(idle_timeout_s: float) -> float:
+    """How often the idle sweep runs: a quarter of the timeout, at most every second (as the
+    verifier's model thread sweeps), so a sequence outlives its timeout by a quarter at most."""
+    return min(1.0, idle_timeout_s / 4)
+
+
+class Sweeper:
+    """Runs `sweep` every `every` seconds on a daemon thread of its own, off the request path,
+    until closed. A failed sweep is logged and the next one runs as planned."""
+
+    def __init__(self, sweep, every: float):
+        self._sweep = sweep
+        self._every = every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="drafter-idle-sweep", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._every):
+            try:
+                self._sweep()
+            except Exception:  # noqa: BLE001 - the sweep must outlive any one failure
+                log.exception("idle sweep failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
 
 
 def _check_id(sequence_id: str) -> None:

@@ -27,6 +27,7 @@ def _prometheus():
                 "saved_ms": Counter("treeserve_drafter_ahead_saved_ms_total", "Drafting time saved by draft-ahead hits (ms)"),
                 "hit_rate": Gauge("treeserve_drafter_ahead_hit_rate", "Draft-ahead hits / (hits + misses)"),
                 "active": Gauge("treeserve_drafter_active_sequences", "Sequences with draft state"),
+                "expired": Counter("treeserve_drafter_idle_expired_total", "Sequences ended by the idle sweep"),
             }
         return _collectors
 
@@ -81,3 +82,6 @@ class DrafterMetrics:
 
     def active(self, n: int) -> None:
         _prometheus()["active"].set(n)
+
+    def expired(self) -> None:
+        _prometheus()["expired"].inc()

@@ -3,6 +3,11 @@
 Speculate is one bidirectional stream: each DraftRequest gets exactly one DraftResponse, in request
 order. A request that fails carries `error` (its gRPC code and message) and changes nothing; the
 stream stays open and other sequences are unaffected.
+
+An open Speculate stream holds one of the server's threads for its whole life (grpcio's sync
+server), idle or not, so the server takes at most half its threads' worth of them (`stream_cap`,
+as the verifier does for its VerifyStreams); the other half always serves StartSequence,
+EndSequence, Stats and health.
 """
 from __future__ import annotations
 
@@ -13,9 +18,9 @@ import grpc
 
 from drafter_service.engine import DraftCall, Drafter, DraftReply
 from treeserve.acceptance import Outcome
-from treeserve.errors import InvalidArgument, item_error, status_of
+from treeserve.errors import InvalidArgument, ResourceExhausted, item_error, status_of
 from treeserve.sampling import Sampling
-from treeserve.server import client_requests, grpc_errors
+from treeserve.server import GRACE_SECONDS, Server, client_requests, grpc_errors
 from treeserve.tree import tree_to_proto
 from treeserve.v1 import treeserve_pb2 as pb
 from treeserve.v1 import treeserve_pb2_grpc as pbg
@@ -32,6 +37,32 @@ SHAPE_NAMES = {
 SHAPE_ENUMS = {name: value for value, name in SHAPE_NAMES.items()}
 
 
+def shape_name(value: int) -> str | None:
+    """The shape a DraftOptions.shape value names (None: unspecified, the drafter's default). A
+    value this drafter does not know (from a newer client) is refused, not drafted as the default."""
+    if value == pb.TREE_SHAPE_UNSPECIFIED:
+        return None
+    name = SHAPE_NAMES.get(value)
+    if name is None:
+        raise InvalidArgument(f"unknown DraftOptions.shape {value}; known: "
+                              + ", ".join(f"{v} ({n})" for v, n in sorted(SHAPE_NAMES.items())))
+    return name
+
+
+def rpc_threads(max_sequences: int) -> int:
+    """Threads of the drafter's server: grpcio's sync server runs each call on one, and holds it
+    for the call's whole life (a Speculate stream's too). Enough for a stream and one more call
+    per live sequence, and a few to spare (the verifier's sizing, `verifier_service.servicer`)."""
+    return max(32, 2 * max_sequences + 8)
+
+
+def stream_cap(threads: int) -> int:
+    """Speculate streams the server takes, out of `threads`: half of them, so the other half (at
+    least max_sequences + 4) always serves unary calls and health. One stream carries every
+    sequence of an orchestrator engine, so even an engine per sequence fits."""
+    return threads // 2
+
+
 def call_from_proto(req) -> DraftCall:
     outcome = Outcome.from_proto(req.outcome) if req.HasField("outcome") else None
     return DraftCall(req.sequence_id, int(req.committed_length), tuple(int(t) for t in req.appended_tokens),
@@ -45,22 +76,29 @@ def reply_to_proto(reply: DraftReply):
 
 
 class DrafterServicer(pbg.DrafterServicer):
-    def __init__(self, drafter: Drafter, stopping: threading.Event | None = None):
-        """stopping: the server's shutdown event; open Speculate streams end at their next request once set."""
+    def __init__(self, drafter: Drafter, stopping: threading.Event | None = None, max_streams: int | None = None):
+        """stopping: the server's shutdown event; open Speculate streams end at their next request
+        once set. max_streams: Speculate streams open at once, more are RESOURCE_EXHAUSTED (None:
+        `stream_cap` of the server `serve` builds for this drafter)."""
         self.drafter = drafter
         self._stopping = stopping
+        if max_streams is None:
+            max_streams = stream_cap(rpc_threads(drafter.max_sequences))
+        self.max_streams = max_streams
+        self._stream_slots = threading.BoundedSemaphore(max_streams)
 
     @grpc_errors
     def StartSequence(self, request, context):
         options = None
         if request.HasField("options"):
             o = request.options
-            options = self.drafter.options(SHAPE_NAMES.get(o.shape), o.node_budget, o.max_depth, o.draft_ahead)
+            options = self.drafter.options(shape_name(o.shape), o.node_budget, o.max_depth, o.draft_ahead)
         try:
             sampling = Sampling.from_proto(request.sampling) if request.HasField("sampling") else Sampling()
         except ValueError as exc:
             raise InvalidArgument(f"sampling: {exc}") from exc
-        length = self.drafter.start(request.sequence_id, list(request.tokens), sampling, options)
+        # the repeated field as it is: the drafter checks its length before it copies anything
+        length = self.drafter.start(request.sequence_id, request.tokens, sampling, options)
         return pb.StartSequenceResponse(committed_length=length)
 
     @grpc_errors
@@ -69,17 +107,28 @@ class DrafterServicer(pbg.DrafterServicer):
 
     @grpc_errors
     def Speculate(self, request_iterator, context):
-        for req in client_requests(request_iterator, self._stopping):
-            try:
-                reply = self.drafter.draft(call_from_proto(req))
-            except Exception as exc:  # noqa: BLE001 - per-request errors travel in the response
-                code, _ = status_of(exc)
-                if code == grpc.StatusCode.INTERNAL:
-                    log.exception("draft request for %r failed", req.sequence_id)
-                self.drafter.metrics.error(code.name)
-                yield pb.DraftResponse(sequence_id=req.sequence_id, error=item_error(exc))
-                continue
-            yield reply_to_proto(reply)
+        """The stream holds a server thread until it ends: past `max_streams` open ones, a new
+        stream is refused (RESOURCE_EXHAUSTED) before it reads anything."""
+        if not self._stream_slots.acquire(blocking=False):
+            raise ResourceExhausted(
+                f"{self.max_streams} Speculate streams are open, the most this drafter takes (each holds one of "
+                "its server threads): close one, or share one stream between sequences")
+        try:
+            for req in client_requests(request_iterator, self._stopping):
+                yield self._draft(req)
+        finally:
+            self._stream_slots.release()
+
+    def _draft(self, req) -> pb.DraftResponse:
+        """One stream request's response: its tree, or the error it met."""
+        try:
+            return reply_to_proto(self.drafter.draft(call_from_proto(req)))
+        except Exception as exc:  # noqa: BLE001 - per-request errors travel in the response
+            code, _ = status_of(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("draft request for %r failed", req.sequence_id)
+            self.drafter.metrics.error(code.name)
+            return pb.DraftResponse(sequence_id=req.sequence_id, error=item_error(exc))
 
     @grpc_errors
     def Stats(self, request, context):
@@ -90,3 +139,11 @@ class DrafterServicer(pbg.DrafterServicer):
             saved_draft_ms=m.saved_ms,
         )
 
+
+def serve(drafter: Drafter, address: str, auth_token: str | None = None, grace_s: float = GRACE_SECONDS) -> Server:
+    """A started server for `drafter` on `address`: its thread pool sized for the drafter's
+    sequences (`rpc_threads`), Speculate streams capped to half of it (`stream_cap`)."""
+    threads = rpc_threads(drafter.max_sequences)
+    server = Server(address, max_workers=threads, auth_token=auth_token, grace_s=grace_s)
+    servicer = DrafterServicer(drafter, stopping=server.stopping, max_streams=stream_cap(threads))
+    return server.add(pbg.add_DrafterServicer_to_server, servicer, "Drafter").start()

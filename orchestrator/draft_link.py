@@ -8,13 +8,18 @@ depends on it for correctness:
 - when the stream or a call fails, every sequence is marked out of sync and a background thread
   reconnects with backoff, then restarts each sequence from the engine's committed-token log
   (StartSequence with the full log), after which drafting resumes;
-- a per-sequence error (e.g. the drafter lost the sequence) resynchronises just that sequence.
+- a per-sequence error (e.g. the drafter lost the sequence) resynchronises just that sequence;
+- an EndSequence that cannot reach the drafter (the link is down, or the call fails as a network
+  failure would) waits in a bounded queue (`PendingEnds`) and is sent again once the link is back,
+  so the drafter does not keep the sequence until its idle sweep; an id opened again meanwhile
+  leaves the queue (its StartSequence resets the drafter's state).
 
 `tokens_of(sequence_id)` is supplied by the engine: the sequence's committed tokens (the log
 without its root), or None when the sequence is gone.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -34,6 +39,11 @@ from treeserve.v1 import treeserve_pb2_grpc as pbg
 log = logging.getLogger("treeserve.orchestrator.draft")
 
 SYNCING, READY = "syncing", "ready"
+# Status codes of a call that failed as a network failure would: the drafter may not have seen it
+LINK_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+# EndSequences kept for a drafter that cannot be reached; past this the oldest is dropped, and the
+# drafter's idle sweep (`--idle-timeout-s`) frees that sequence instead
+MAX_PENDING_ENDS = 1024
 
 
 @dataclass
@@ -46,6 +56,37 @@ class _Seq:
     sent_at: float = 0.0
     wanted: Optional[tuple] = None  # a request to send once in sync: (length, root, budget)
     result: Optional[tuple] = None  # (length, TokenTree, from_draft_ahead, draft_ms)
+
+
+class PendingEnds:
+    """Sequence ids whose EndSequence is still to be sent, oldest first, at most `limit` of them
+    (the oldest goes when a new one would pass it). Not thread-safe: the link's lock guards it."""
+
+    def __init__(self, limit: int = MAX_PENDING_ENDS):
+        self._limit = limit
+        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.dropped = 0  # ids given up on because the queue was full, since the last take_all
+
+    def add(self, sid: str) -> None:
+        self._ids[sid] = None
+        self._ids.move_to_end(sid)
+        while len(self._ids) > self._limit:
+            self._ids.popitem(last=False)
+            self.dropped += 1
+
+    def discard(self, sid: str) -> None:
+        self._ids.pop(sid, None)
+
+    def take_all(self) -> list[str]:
+        ids, self._ids = list(self._ids), collections.OrderedDict()
+        self.dropped = 0
+        return ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, sid: str) -> bool:
+        return sid in self._ids
 
 
 @dataclass
@@ -79,6 +120,7 @@ class DraftLink:
         self._stub = None
         self._channel = None
         self._work: queue.Queue = queue.Queue()
+        self._ends = PendingEnds()  # EndSequences to send again once the link is up
         self._closed = False
         self.lagging = False
         self.stats = DraftStats()
@@ -95,6 +137,9 @@ class DraftLink:
         """Start drafting for a sequence (asynchronously; its first trees may be one-node)."""
         with self._cv:
             self._seqs[sid] = _Seq(sampling, options)
+            # its StartSequence resets whatever the drafter holds for the id: an EndSequence still
+            # to be sent would end the new sequence instead
+            self._ends.discard(sid)
         self._work.put(("start", sid))
 
     def close(self, sid: str, end: bool = True) -> None:
@@ -210,13 +255,12 @@ class DraftLink:
                 elif job[0] == "start":
                     self._start(job[1])
                 elif job[0] == "end":
-                    if self._up:
-                        self._stub.EndSequence(pb.EndSequenceRequest(sequence_id=job[1]), timeout=self._timeout)
+                    self._end(job[1])
             except grpc.RpcError as exc:
                 log.warning("drafter %s: %s failed: %s", self.address, job[0], _describe(exc))
                 if job[0] == "start":
                     code = exc.code()
-                    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                    if code in LINK_FAILURES:
                         with self._cv:
                             self._mark_down_locked()
                     else:
@@ -247,12 +291,39 @@ class DraftLink:
             self._up = True
             generation = self._generation
             sids = list(self._seqs)
+            ends = self._ends.take_all()
         self.stats.reconnects += 1
         threading.Thread(target=self._read, args=(responses, generation), name="draft-reader", daemon=True).start()
+        # the ends go first: a start queued for one of their ids later (a reopen) runs after its end
+        for sid in ends:
+            self._work.put(("end", sid))
         for sid in sids:
             self._work.put(("start", sid))
         log.info("drafter %s connected", self.address)
         return True
+
+    def _end(self, sid: str) -> None:
+        """EndSequence for a closed sequence; kept for later when the drafter cannot be reached."""
+        with self._cv:
+            up, stub = self._up, self._stub
+        if not up:
+            self._defer_end(sid)
+            return
+        try:
+            stub.EndSequence(pb.EndSequenceRequest(sequence_id=sid), timeout=self._timeout)
+        except grpc.RpcError as exc:
+            if exc.code() in LINK_FAILURES:
+                self._defer_end(sid)
+            raise
+
+    def _defer_end(self, sid: str) -> None:
+        with self._cv:
+            if sid in self._seqs or self._closed:  # opened again (its start resets it), or shutting down
+                return
+            self._ends.add(sid)
+            if self._ends.dropped == 1:  # once per outage: every later end drops one more
+                log.warning("drafter %s: %d EndSequences wait for the link, the most kept; older ones are dropped "
+                            "(the drafter's idle sweep ends those sequences)", self.address, len(self._ends))
 
     def _start(self, sid: str) -> None:
         with self._cv:

@@ -1,9 +1,15 @@
 """Request rules of the drafter engine: errors carry the right code and change nothing; other
-sequences are unaffected; retries and resets behave."""
+sequences are unaffected; retries and resets behave; sequence lengths are bounded; idle sequences
+are swept; concurrent starts of one id leave one state."""
+import math
+import threading
+import time
+
 import grpc
 import pytest
 
 from drafter_service.engine import DraftCall, Drafter, Options
+from drafter_service.limits import NGRAM_MAX_LEN
 from treeserve.acceptance import Outcome
 from treeserve.errors import ServeError
 from treeserve.sampling import Sampling
@@ -103,9 +109,161 @@ def test_sequence_past_the_draft_models_length_is_refused_until_restarted(draft_
         assert near.tree.size <= 3 and max(near.tree.depths()) <= 2  # cut to the room left
         over = DraftCall("long", limit + 1, (6, 1, 2, 3), 4)
         assert code_of(lambda: d.draft(over)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert d._seqs["long"].state.length == limit - 3  # refused before the state moved
         ok = DraftCall("long", limit - 2, (6,), 4)
-        assert code_of(lambda: d.draft(ok)) == grpc.StatusCode.FAILED_PRECONDITION  # must resync
+        assert d.draft(ok).tree.size <= 2  # so the sequence goes on in step
         d.start("long", prompt)
         assert d.draft(DraftCall("long", len(prompt), (), 5)).tree == tree
+    finally:
+        d.close()
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+class Clock:
+    """A clock the test moves by hand (the drafter reads idle times from it)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_second_start_while_one_is_starting_is_refused_and_no_slot_leaks(draft_model):
+    """StartSequence A for an id whose old sequence is busy waits for it; StartSequence B for the
+    same id meanwhile once found nothing to replace and opened a second state, which A then
+    overwrote: a slot nobody could free."""
+    d = Drafter(draft_model, Options("dynamic", 4, 2, False), max_sequences=4, ahead=None)
+    pool = draft_model.lm.pool
+    before = len(pool.in_use())
+    try:
+        d.start("x", [1, 2, 3])
+        old = d._seqs["x"]
+        old.lock.acquire()  # a draft of the old "x" in flight
+        a = threading.Thread(target=d.start, args=("x", [1, 2, 3, 4]))
+        a.start()
+        try:
+            wait_until(lambda: "x" in d._starting)
+            assert code_of(lambda: d.start("x", [1, 2])) == grpc.StatusCode.FAILED_PRECONDITION
+        finally:
+            old.lock.release()
+            a.join(30)
+        assert d.active() == 1 and d._seqs["x"].state.length == 4  # A's sequence
+        assert len(pool.in_use()) == before + 1
+        assert d.end("x")
+        assert len(pool.in_use()) == before
+    finally:
+        d.close()
+
+
+def test_installing_over_a_stray_entry_closes_it(draft_model):
+    d = Drafter(draft_model, Options("chain", 4, 2, False), max_sequences=4, ahead=None)
+    pool = draft_model.lm.pool
+    before = len(pool.in_use())
+    try:
+        d.start("x", [1, 2, 3])
+        d.start("y", [4, 5])
+        fresh = d._seqs.pop("y")
+        fresh.id = "x"
+        d._install(fresh)  # as if another call had put "x" back meanwhile
+        assert d.active() == 1 and d._seqs["x"].state.length == 2
+        assert len(pool.in_use()) == before + 1  # the stray one's slot is free
+    finally:
+        d.close()
+    assert len(pool.in_use()) == before
+
+
+class Huge:
+    """Tokens that claim to be many and must not be walked."""
+
+    def __len__(self):
+        return 10**7
+
+    def __iter__(self):
+        raise AssertionError("the tokens were walked before their length was checked")
+
+
+def test_an_ngram_sequence_is_bounded_by_max_len():
+    assert Drafter(None, idle_timeout_s=0).max_len == NGRAM_MAX_LEN
+    d = Drafter(None, max_len=16, idle_timeout_s=0)
+    assert code_of(lambda: d.start("a", list(range(17)))) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: d.start("a", Huge())) == grpc.StatusCode.INVALID_ARGUMENT
+    tokens = [1, 2, 3] * 5 + [1]
+    assert d.start("a", tokens) == 16  # exactly at the limit: kept
+    at_limit = d.draft(DraftCall("a", 16, (), 2))
+    assert at_limit.tree.tokens[:3] == (2, 3, 1)
+    assert code_of(lambda: d.draft(DraftCall("a", 17, (2,), 3))) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert d._seqs["a"].state.length == 16  # refused before the history grew
+    assert d.draft(DraftCall("a", 16, (), 2)) is at_limit  # still in step
+    d.close()
+
+
+def test_a_model_drafter_takes_the_models_length(draft_model):
+    d = Drafter(draft_model, max_len=5, idle_timeout_s=0)
+    assert d.max_len == draft_model.max_len
+    d.close()
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_sequences=0), dict(max_nodes=0), dict(support=0), dict(max_len=0),
+                                    dict(idle_timeout_s=-1.0), dict(idle_timeout_s=math.nan)])
+def test_numbers_that_would_break_the_drafter_later_are_refused(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        Drafter(None, **kwargs)
+
+
+def test_idle_sequences_and_their_draft_ahead_forks_are_swept(draft_model, prompt):
+    clock = Clock()
+    pool = draft_model.lm.pool
+    before = len(pool.in_use())
+    d = Drafter(draft_model, Options("dynamic", 8, 3, True), max_sequences=3, idle_timeout_s=10.0, clock=clock,
+                background_sweep=False)
+    try:
+        L = len(prompt)
+        d.start("a", prompt)
+        d.start("b", prompt)
+        d.draft(DraftCall("b", L, (), 5))
+        assert d.wait_idle()
+        assert len(pool.in_use()) > before + 2  # b's prepared outcomes hold forked slots
+        clock.now = 6.0
+        d.draft(DraftCall("a", L, (), 5))  # a draft touches "a"
+        clock.now = 10.0
+        assert d.sweep() == []  # not past the timeout yet
+        clock.now = 12.0
+        assert d.sweep() == ["b"]
+        assert d.active() == 1
+        assert code_of(lambda: d.draft(DraftCall("b", L, (), 5))) == grpc.StatusCode.NOT_FOUND
+        assert d.wait_idle()
+        clock.now = 30.0
+        assert d.sweep() == ["a"]
+        assert d.active() == 0 and len(pool.in_use()) == before  # own slots and forks
+        d.start("b", prompt)  # the id is free again
+    finally:
+        d.close()
+    assert len(pool.in_use()) == before
+
+
+def test_a_sequence_whose_request_is_running_is_not_idle():
+    clock = Clock()
+    d = Drafter(None, idle_timeout_s=5.0, clock=clock, background_sweep=False)
+    d.start("a", [1, 2, 3])
+    busy = d._seqs["a"]
+    clock.now = 100.0
+    with busy.lock:  # a draft of "a" in progress
+        assert d.sweep() == []
+    assert d.sweep() == ["a"]
+    assert Drafter(None, idle_timeout_s=0, clock=clock).sweep() == []  # 0: never
+
+
+def test_the_sweep_runs_on_its_own():
+    d = Drafter(None, idle_timeout_s=0.2)
+    try:
+        d.start("a", [1, 2, 3])
+        wait_until(lambda: d.active() == 0)
     finally:
         d.close()

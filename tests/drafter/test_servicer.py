@@ -1,0 +1,104 @@
+"""The Drafter servicer in process: Speculate streams are capped so that idle ones never take the
+threads of StartSequence, Stats and health; a tree shape the drafter does not know is refused."""
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from drafter_service.client import DrafterClient, draft_request
+from drafter_service.engine import Drafter
+from drafter_service.servicer import DrafterServicer, rpc_threads, serve, stream_cap
+from treeserve.server import channel
+from treeserve.v1 import treeserve_pb2 as pb
+
+
+class Aborted(Exception):
+    def __init__(self, code, details):
+        super().__init__(details)
+        self.code = code
+
+
+class Context:
+    """What the servicer needs of a grpc.ServicerContext."""
+
+    def abort(self, code, details):
+        raise Aborted(code, details)
+
+
+def unread():
+    """A stream's requests that must not be read."""
+    raise AssertionError("a refused stream read its requests")
+    yield
+
+
+@pytest.fixture
+def ngram():
+    d = Drafter(None, max_sequences=4, idle_timeout_s=0)
+    yield d
+    d.close()
+
+
+def test_a_stream_past_the_cap_is_refused_before_it_reads_anything(ngram):
+    servicer = DrafterServicer(ngram, max_streams=1)
+    first = servicer.Speculate(iter([draft_request("ghost", 1, 1)]), Context())
+    assert next(first).error.code == grpc.StatusCode.NOT_FOUND.value[0]  # open, suspended: it holds its slot
+    with pytest.raises(Aborted) as refused:
+        next(servicer.Speculate(unread(), Context()))
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    first.close()  # the stream ends: its slot is free again
+    again = servicer.Speculate(iter([draft_request("ghost", 1, 1)]), Context())
+    assert next(again).sequence_id == "ghost"
+    again.close()
+
+
+@pytest.mark.parametrize("max_sequences", [1, 4, 64, 512])
+def test_unary_calls_keep_threads_when_every_stream_is_open(max_sequences):
+    threads = rpc_threads(max_sequences)
+    assert threads - stream_cap(threads) >= max_sequences + 4
+    assert stream_cap(threads) >= 16
+
+
+def test_idle_streams_at_the_cap_leave_unary_calls_and_health_answering(ngram):
+    server = serve(ngram, "127.0.0.1:0")
+    address = f"127.0.0.1:{server.port}"
+    cap = stream_cap(rpc_threads(ngram.max_sequences))
+    streams = []
+    try:
+        with DrafterClient(address, timeout=5) as client:
+            for _ in range(cap):
+                s = client.stream()
+                assert s.draft("ghost", 1, 1).error is not None  # answered: the server holds the stream
+                streams.append(s)
+            extra = client.stream()
+            with pytest.raises(grpc.RpcError) as refused:
+                extra.collect(1)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # every stream the server takes is open and idle: the other calls still have threads
+            assert client.start("a", [1, 2, 3]) == 3
+            assert client.stats().active_sequences == 1
+            health = health_pb2_grpc.HealthStub(channel(address))
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING
+            assert client.end("a")
+            for s in streams:
+                s.close()
+    finally:
+        for s in streams:
+            s._responses.cancel()
+        server.stop(grace=0)
+
+
+@pytest.mark.parametrize("shape, expect", [(pb.TREE_SHAPE_UNSPECIFIED, "ngram"), (pb.TREE_SHAPE_NGRAM, "ngram")])
+def test_a_known_or_unspecified_shape_is_taken(ngram, shape, expect):
+    servicer = DrafterServicer(ngram)
+    req = pb.StartSequenceRequest(sequence_id="s", tokens=[1, 2, 3], options=pb.DraftOptions(shape=shape))
+    assert servicer.StartSequence(req, Context()).committed_length == 3
+    assert ngram._seqs["s"].options.shape == expect
+
+
+def test_an_unknown_shape_is_refused_not_drafted_as_the_default(ngram):
+    servicer = DrafterServicer(ngram)
+    req = pb.StartSequenceRequest(sequence_id="s", tokens=[1, 2, 3], options=pb.DraftOptions(shape=42))
+    with pytest.raises(Aborted) as refused:
+        servicer.StartSequence(req, Context())
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "42" in str(refused.value)
+    assert ngram.active() == 0

@@ -3,32 +3,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Callable
-
 from drafter_service.limits import IDLE_TIMEOUT_S, MODEL_MAX_LEN, NGRAM_MAX_LEN
 from treeserve import cores
-from treeserve.server import add_grace_argument, number_argument
+from treeserve.server import add_grace_argument, count_argument, number_argument
 
 log = logging.getLogger("treeserve.drafter")
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
-def count_argument(low: int) -> Callable[[str], int]:
-    """An argparse type: a whole number >= `low`. A value the drafter could only fail on later
-    (a negative slot count, an empty tree) is refused when the command line is read, with the
-    option's name (`number_argument` is its twin for real numbers)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

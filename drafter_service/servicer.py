@@ -18,9 +18,9 @@ import grpc
 
 from drafter_service.engine import DraftCall, Drafter, DraftReply
 from treeserve.acceptance import Outcome
-from treeserve.errors import InvalidArgument, ResourceExhausted, item_error, status_of
+from treeserve.errors import InvalidArgument, item_error, status_of
 from treeserve.sampling import Sampling
-from treeserve.server import GRACE_SECONDS, Server, client_requests, grpc_errors
+from treeserve.server import GRACE_SECONDS, Server, StreamCap, client_requests, grpc_errors, rpc_threads, stream_cap
 from treeserve.tree import tree_to_proto
 from treeserve.v1 import treeserve_pb2 as pb
 from treeserve.v1 import treeserve_pb2_grpc as pbg
@@ -49,20 +49,6 @@ def shape_name(value: int) -> str | None:
     return name
 
 
-def rpc_threads(max_sequences: int) -> int:
-    """Threads of the drafter's server: grpcio's sync server runs each call on one, and holds it
-    for the call's whole life (a Speculate stream's too). Enough for a stream and one more call
-    per live sequence, and a few to spare (the verifier's sizing, `verifier_service.servicer`)."""
-    return max(32, 2 * max_sequences + 8)
-
-
-def stream_cap(threads: int) -> int:
-    """Speculate streams the server takes, out of `threads`: half of them, so the other half (at
-    least max_sequences + 4) always serves unary calls and health. One stream carries every
-    sequence of an orchestrator engine, so even an engine per sequence fits."""
-    return threads // 2
-
-
 def call_from_proto(req) -> DraftCall:
     outcome = Outcome.from_proto(req.outcome) if req.HasField("outcome") else None
     return DraftCall(req.sequence_id, int(req.committed_length), tuple(int(t) for t in req.appended_tokens),
@@ -84,8 +70,11 @@ class DrafterServicer(pbg.DrafterServicer):
         self._stopping = stopping
         if max_streams is None:
             max_streams = stream_cap(rpc_threads(drafter.max_sequences))
-        self.max_streams = max_streams
-        self._stream_slots = threading.BoundedSemaphore(max_streams)
+        self._streams = StreamCap(max_streams, "Speculate streams", "close one, or share one stream between sequences")
+
+    @property
+    def max_streams(self) -> int:
+        return self._streams.limit
 
     @grpc_errors
     def StartSequence(self, request, context):
@@ -109,15 +98,9 @@ class DrafterServicer(pbg.DrafterServicer):
     def Speculate(self, request_iterator, context):
         """The stream holds a server thread until it ends: past `max_streams` open ones, a new
         stream is refused (RESOURCE_EXHAUSTED) before it reads anything."""
-        if not self._stream_slots.acquire(blocking=False):
-            raise ResourceExhausted(
-                f"{self.max_streams} Speculate streams are open, the most this drafter takes (each holds one of "
-                "its server threads): close one, or share one stream between sequences")
-        try:
+        with self._streams.held():
             for req in client_requests(request_iterator, self._stopping):
                 yield self._draft(req)
-        finally:
-            self._stream_slots.release()
 
     def _draft(self, req) -> pb.DraftResponse:
         """One stream request's response: its tree, or the error it met."""

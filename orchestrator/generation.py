@@ -30,7 +30,7 @@ from orchestrator.request import CANCELLED, EOS, LENGTH, RequestSpec, Speculatio
 from orchestrator.router import Router
 from treeserve.errors import InvalidArgument, ServeError
 from treeserve.sampling import Sampling
-from treeserve.server import grpc_errors
+from treeserve.server import StreamCap, grpc_errors
 from treeserve.v1 import treeserve_pb2 as pb
 from treeserve.v1 import treeserve_pb2_grpc as pbg
 
@@ -98,26 +98,22 @@ class GenerationServicer(pbg.GenerationServicer):
         self._tok = tokenizer
         self._limits = limits
         self._poll = poll_s
-        self._streams = threading.BoundedSemaphore(limits.max_streams)
+        self._streams = StreamCap(limits.max_streams, "Generate streams", "retry later, or on another front")
 
     # ---- RPCs ---------------------------------------------------------------------------
     @grpc_errors
     def Generate(self, request, context):
         m = metrics()
-        if not self._streams.acquire(blocking=False):
-            m.requests.labels(outcome=grpc.StatusCode.RESOURCE_EXHAUSTED.name).inc()
-            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"this server is streaming its limit of {self._limits.max_streams} requests: "
-                              "retry later or on another front")
-        m.active.inc()
         try:
-            yield from self._generate(request, context, m)
+            with self._streams.held():
+                m.active.inc()
+                try:
+                    yield from self._generate(request, context, m)
+                finally:
+                    m.active.dec()
         except Exception as exc:
             m.requests.labels(outcome=getattr(exc, "code", grpc.StatusCode.INTERNAL).name).inc()
             raise
-        finally:
-            m.active.dec()
-            self._streams.release()
 
     def _generate(self, request, context, m):
         t0 = time.perf_counter()

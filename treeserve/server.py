@@ -3,6 +3,7 @@ exceptions, optional bearer-token auth, deadlines, Prometheus metrics, graceful 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import inspect
 import logging
@@ -16,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from treeserve.errors import Unavailable, status_of
+from treeserve.errors import ResourceExhausted, Unavailable, status_of
 from treeserve.v1 import treeserve_pb2 as pb
 
 log = logging.getLogger("treeserve.server")
@@ -228,6 +229,68 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: threading.Thread(target=self.stop, daemon=True).start())
         self._stopped.wait()
+
+
+def rpc_threads(max_sequences: int) -> int:
+    """Worker threads of a server that holds up to `max_sequences` sequences: grpcio's sync server
+    runs each call on one and holds it for the call's whole life (a stream's too). Enough for a
+    stream and one more call per live sequence, and a few to spare."""
+    return max(32, 2 * max_sequences + 8)
+
+
+def stream_cap(threads: int) -> int:
+    """Open streams a server of `threads` workers takes (`StreamCap`): half of them, so the other
+    half (at least max_sequences + 4 of `rpc_threads`) always serves unary calls and health checks.
+    One stream carries every sequence of a client, so even a client per sequence fits."""
+    return threads // 2
+
+
+class StreamCap:
+    """At most `limit` open streams of one method. grpcio's sync server holds a worker thread for
+    each open stream, idle or not; with no cap, streams could take every thread, and unary calls and
+    health checks would wait behind them until their deadlines. A stream past the cap is refused
+    with RESOURCE_EXHAUSTED before it reads anything.
+
+        with cap.held():  # in the stream's handler; the slot is free again when the stream ends
+            ...
+    """
+
+    def __init__(self, limit: int, what: str, advice: str):
+        """what: the streams, as the refusal names them ("VerifyStreams"); advice: what the client
+        can do instead."""
+        if limit < 1:
+            raise ValueError(f"a stream cap must be at least 1, got {limit}")
+        self.limit = limit
+        self._what = what
+        self._advice = advice
+        self._slots = threading.BoundedSemaphore(limit)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        if not self._slots.acquire(blocking=False):
+            raise ResourceExhausted(f"{self.limit} {self._what} are open, the most this server takes (each holds "
+                                    f"one of its threads): {self._advice}")
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+
+def count_argument(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= `low` (`number_argument` is its twin for real numbers).
+    A value a server could only fail on later (a negative slot count, an empty tree) is refused
+    when the command line is read, with the option's name."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
 
 
 def number_argument(unit: str, high: float = math.inf) -> Callable[[str], float]:

@@ -24,10 +24,11 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
-from treeserve.errors import InvalidArgument, ResourceExhausted, ServeError, Unavailable, item_error, status_of
+from treeserve.errors import InvalidArgument, ServeError, Unavailable, item_error, status_of
 from treeserve.h2grpc.server import POLL_SECONDS, DirectServer, Method
 from treeserve.sampling import Sampling
-from treeserve.server import GRACE_SECONDS, Server, client_requests, grpc_errors, on_error, with_raw_requests
+from treeserve.server import (GRACE_SECONDS, Server, StreamCap, client_requests, grpc_errors, on_error, rpc_threads,
+                              stream_cap, with_raw_requests)
 from treeserve.tree import TreeError, tree_from_proto
 from treeserve.v1 import treeserve_pb2 as pb
 from treeserve.v1 import treeserve_pb2_grpc as pbg
@@ -92,20 +93,6 @@ def first_duplicate(ids: Iterable[str]) -> str | None:
     return None
 
 
-def rpc_threads(limits: Limits) -> int:
-    """Threads of the main port's pool: grpcio's sync server runs each call on one, and holds it
-    for the call's whole life (a VerifyStream's too). Enough for a Verify and one more call per
-    live sequence, and a few to spare."""
-    return max(32, 2 * limits.max_sequences + 8)
-
-
-def stream_cap(threads: int) -> int:
-    """Open VerifyStreams the main port takes, out of `threads` RPC threads: half of them, so the
-    other half (at least max_sequences + 4) always serves unary calls. One stream can carry every
-    sequence of a client, so even a client per sequence fits."""
-    return threads // 2
-
-
 def sampling_from(msg) -> Sampling:
     try:
         return Sampling.from_proto(msg)
@@ -129,8 +116,7 @@ class VerifierServicer(pbg.VerifierServicer):
         see `stream_cap`); stopping: the server's shutdown event; open VerifyStreams end at their
         next request once set."""
         self._stopping = stopping
-        self.max_streams = max_streams
-        self._stream_slots = threading.BoundedSemaphore(max_streams)
+        self._streams = StreamCap(max_streams, "VerifyStreams", "close one, or call Verify")
         self._engine = engine
         self._batcher = batcher
         self._limits: Limits = engine.limits
@@ -155,6 +141,11 @@ class VerifierServicer(pbg.VerifierServicer):
             raise DeadlineExceeded("deadline passed while waiting for the model") from exc
 
     # ---- sequences ----------------------------------------------------------------------
+
+    @property
+    def max_streams(self) -> int:
+        return self._streams.limit
+
     @grpc_errors
     @_counted
     def Prefill(self, request, context):
@@ -226,11 +217,7 @@ class VerifierServicer(pbg.VerifierServicer):
 
         The stream holds an RPC thread until it ends: past `max_streams` open ones, a new stream
         is refused (RESOURCE_EXHAUSTED) before it reads anything."""
-        if not self._stream_slots.acquire(blocking=False):
-            raise ResourceExhausted(
-                f"{self.max_streams} VerifyStreams are open, the most this verifier takes (each holds one of its "
-                "RPC threads): close one, or call Verify")
-        try:
+        with self._streams.held():
             for request in client_requests(request_iterator, self._stopping):
                 response, record = self._verify(request, context)
                 try:
@@ -240,8 +227,6 @@ class VerifierServicer(pbg.VerifierServicer):
                     # it when the stream ended first), so this is "after the reply", as for Verify;
                     # the client is by then busy with the answer, not waiting on this thread.
                     record()
-        finally:
-            self._stream_slots.release()
 
     def _verify(self, message: bytes, context):
         """Parse, decode, verify and encode one VerifyRequest (`message`: its bytes). Returns the
@@ -395,7 +380,7 @@ class VerifierServer:
         self.batcher = Batcher(self.engine, limits, device=info.device).start()
         # RPC threads run the model themselves when it is free: they keep inference mode on for
         # good instead of entering it for every forward (see batcher._model_mode)
-        threads = rpc_threads(limits)
+        threads = rpc_threads(limits.max_sequences)
         self._pool = LifoExecutor(threads, name="verifier-rpc", prefer=self.batcher.is_runner,
                                   context=torch.inference_mode)
         self.server = Server(address, auth_token=auth_token, executor=self._pool, grace_s=grace_s)

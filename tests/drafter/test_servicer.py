@@ -6,8 +6,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_service.client import DrafterClient, draft_request
 from drafter_service.engine import Drafter
-from drafter_service.servicer import DrafterServicer, rpc_threads, serve, stream_cap
-from treeserve.server import channel
+from drafter_service.servicer import DrafterServicer, serve
+from treeserve.server import channel, rpc_threads, stream_cap
 from treeserve.v1 import treeserve_pb2 as pb
 
 

@@ -147,3 +147,31 @@ def test_raw_requests_for_a_method_the_service_lacks_are_refused():
     register = with_raw_requests(pbg.add_VerifierServicer_to_server, ["Verify", "Verfiy"])
     with pytest.raises(ValueError, match="Verfiy"):
         register(_RecordingVerifier(), grpc.server(futures.ThreadPoolExecutor(1)))
+
+
+def test_a_stream_cap_refuses_past_its_limit_and_frees_a_slot_when_a_stream_ends():
+    from treeserve.errors import ResourceExhausted
+    from treeserve.server import StreamCap, rpc_threads, stream_cap
+
+    cap = StreamCap(2, "test streams", "close one")
+    with cap.held(), cap.held():
+        with pytest.raises(ResourceExhausted, match="2 test streams are open.*close one"):
+            with cap.held():
+                pass
+    with cap.held(), cap.held():  # both slots free again
+        pass
+    with pytest.raises(ValueError):
+        StreamCap(0, "test streams", "")
+    for sequences in (1, 64, 512):
+        threads = rpc_threads(sequences)
+        assert stream_cap(threads) >= 16 and threads - stream_cap(threads) >= sequences + 4
+
+
+def test_count_argument_takes_whole_numbers_from_its_bound():
+    from treeserve.server import count_argument
+
+    parse = count_argument(1)
+    assert parse("3") == 3
+    for bad in ("0", "-2", "1.5", "many"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(bad)

@@ -233,13 +233,14 @@ def test_open_streams_are_capped_so_unary_calls_keep_their_threads(tiny_pair):
     from models import HybridLM
     from treeserve.stream_session import drain
     from verifier_service.limits import Limits
-    from verifier_service.servicer import ModelInfo, VerifierServer, rpc_threads, stream_cap
+    from treeserve.server import rpc_threads, stream_cap
+    from verifier_service.servicer import ModelInfo, VerifierServer
 
     limits = Limits(max_sequences=2, max_tree_nodes=8, max_sequence_length=64)
     lm = HybridLM.from_pretrained(tiny_pair[0], max_slots=2, max_len=64)
     srv = VerifierServer(lm, limits, "127.0.0.1:0", ModelInfo("target", "cpu", (0,)))
     cap = srv.servicer.max_streams
-    assert cap == stream_cap(rpc_threads(limits)) == rpc_threads(limits) // 2
+    assert cap == stream_cap(rpc_threads(limits.max_sequences)) == rpc_threads(limits.max_sequences) // 2
     channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
     stub = pbg.VerifierStub(channel)
     streams: list = []  # (request queue, call) of every stream the test opened

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+
 from drafter_service.limits import IDLE_TIMEOUT_S, MODEL_MAX_LEN, NGRAM_MAX_LEN
 from treeserve import cores
 from treeserve.server import add_grace_argument, count_argument, number_argument

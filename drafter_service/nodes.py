@@ -92,4 +92,3 @@ def rank_logq(children: Children) -> tuple[float, ...]:
         return children.logq
     largest = sorted((p for p in children.dist.probs if p > 0.0), reverse=True)
     return tuple(math.log(p) for p in largest[: len(children.tokens)])
-

@@ -62,14 +62,12 @@ def reply_to_proto(reply: DraftReply):
 
 
 class DrafterServicer(pbg.DrafterServicer):
-    def __init__(self, drafter: Drafter, stopping: threading.Event | None = None, max_streams: int | None = None):
-        """stopping: the server's shutdown event; open Speculate streams end at their next request
-        once set. max_streams: Speculate streams open at once, more are RESOURCE_EXHAUSTED (None:
-        `stream_cap` of the server `serve` builds for this drafter)."""
+    def __init__(self, drafter: Drafter, max_streams: int, stopping: threading.Event | None = None):
+        """max_streams: Speculate streams open at once, more are RESOURCE_EXHAUSTED (`serve` takes
+        half its server's threads); stopping: the server's shutdown event; open Speculate streams
+        end at their next request once set."""
         self.drafter = drafter
         self._stopping = stopping
-        if max_streams is None:
-            max_streams = stream_cap(rpc_threads(drafter.max_sequences))
         self._streams = StreamCap(max_streams, "Speculate streams", "close one, or share one stream between sequences")
 
     @property

@@ -339,14 +339,18 @@ class Coordinator:
             pass
 
     def _retire(self, verifier: str) -> None:
+        """Stop a draining replica's engine once it is idle. Checked again here, under the lock: a
+        `register` of the verifier since the decision (it clears `draining`) keeps it."""
         with self._lock:
-            rep = self._replicas.pop(verifier, None)
-        if rep is not None:
-            try:
-                ray.get(rep.engine.shutdown.remote(), timeout=15)
-            finally:
-                ray.kill(rep.engine)
-            log.info("unregistered verifier %s", verifier)
+            rep = self._replicas.get(verifier)
+            if rep is None or not rep.draining or rep.load > 0:
+                return
+            del self._replicas[verifier]
+        try:
+            ray.get(rep.engine.shutdown.remote(), timeout=15)
+        finally:
+            ray.kill(rep.engine)
+        log.info("unregistered verifier %s", verifier)
 
 
 def _node_of(host: str) -> Optional[str]:

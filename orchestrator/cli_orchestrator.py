@@ -13,7 +13,7 @@ import json
 import sys
 
 from orchestrator.names import COORDINATOR, DEFAULT_NAMESPACE
-from treeserve.server import add_grace_argument
+from treeserve.server import add_grace_argument, count_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long a replica's engine waits for its verifier to come up when registered")
     p.add_argument("--default-max-new-tokens", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=4096, help="largest max_new_tokens a client may ask for")
-    p.add_argument("--max-streams", type=int, default=240,
+    p.add_argument("--max-streams", type=count_argument(1), default=240,  # FrontLimits' default (a test keeps them one)
                    help="open Generate streams this front serves at once (each holds a server thread); more are "
                         "refused with RESOURCE_EXHAUSTED")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")

@@ -121,6 +121,10 @@ class DraftLink:
         self._channel = None
         self._work: queue.Queue = queue.Queue()
         self._ends = PendingEnds()  # EndSequences to send again once the link is up
+        # wait before the next connect: grows with every connect, back to zero once a stream has
+        # answered (a drafter that takes the calls but refuses the stream, its streams all taken,
+        # must not be reconnected to, and its sequences restarted, in a tight loop)
+        self._reconnect_delay = 0.0
         self._closed = False
         self.lagging = False
         self.stats = DraftStats()
@@ -237,7 +241,6 @@ class DraftLink:
         self._cv.notify_all()
 
     def _work_loop(self) -> None:
-        backoff = 0.1
         while True:
             job = self._work.get()
             if job[0] == "stop":
@@ -246,11 +249,9 @@ class DraftLink:
                 return
             try:
                 if job[0] == "connect":
-                    if self._connect():
-                        backoff = 0.1
-                    else:
-                        time.sleep(backoff)
-                        backoff = min(2.0, backoff * 2)
+                    time.sleep(self._reconnect_delay)
+                    self._reconnect_delay = min(2.0, max(0.1, 2 * self._reconnect_delay))
+                    if not self._connect():
                         self._work.put(("connect",))
                 elif job[0] == "start":
                     self._start(job[1])
@@ -258,14 +259,12 @@ class DraftLink:
                     self._end(job[1])
             except grpc.RpcError as exc:
                 log.warning("drafter %s: %s failed: %s", self.address, job[0], _describe(exc))
-                if job[0] == "start":
-                    code = exc.code()
-                    if code in LINK_FAILURES:
-                        with self._cv:
-                            self._mark_down_locked()
-                    else:
-                        with self._cv:  # this sequence is not draftable: it decodes plainly
-                            self._seqs.pop(job[1], None)
+                if exc.code() in LINK_FAILURES:  # the link is broken (a failed end waits in `_ends`)
+                    with self._cv:
+                        self._mark_down_locked()
+                elif job[0] == "start":
+                    with self._cv:  # this sequence is not draftable: it decodes plainly
+                        self._seqs.pop(job[1], None)
             except Exception:  # noqa: BLE001 - the link must survive anything the drafter does
                 log.exception("drafter %s: %s failed", self.address, job[0])
 
@@ -362,6 +361,7 @@ class DraftLink:
                 self._mark_down_locked()
 
     def _on_response(self, resp, generation: int) -> None:
+        self._reconnect_delay = 0.0  # the stream answers: the link works
         tree = None
         error = resp.HasField("error")
         if not error:

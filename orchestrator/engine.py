@@ -58,6 +58,8 @@ log = logging.getLogger("treeserve.orchestrator.engine")
 _DOWN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                grpc.StatusCode.UNKNOWN)
 _LOST_CODES = (grpc.StatusCode.NOT_FOUND.value[0], grpc.StatusCode.FAILED_PRECONDITION.value[0])
+# how a verifier refuses a VerifyStream before reading any request: it has none, or all are taken
+_STREAM_REFUSED = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 ADAPTIVE_CAP = 32  # largest budget the adaptive policy considers when the request names none
 ADAPTIVE_START = 8
 RELEASE_TIMEOUT_S = 5.0  # longest wait for a Release (those of a failure's leftovers run side by side)
@@ -407,16 +409,18 @@ class Engine:
 
     def _verify(self, request):
         """One step's Verify, over the stream when the verifier has VerifyStream. A failed stream
-        raises its RpcError like a failed call (the session opens a new stream on the next step);
-        an older verifier answers UNIMPLEMENTED, and the engine then sends unary Verify calls until
-        it reconnects (`_connect`, when it asks again)."""
+        raises its RpcError like a failed call (the session opens a new stream on the next step).
+        A verifier that refuses the stream before reading anything (an older one: UNIMPLEMENTED; one
+        whose streams are all taken: RESOURCE_EXHAUSTED) gets this and later steps as unary Verify
+        calls, until the engine reconnects (`_connect`, which asks for a stream again)."""
         if self._stream is not None:
             try:
                 return self._stream.send(request)  # within verify_timeout_s, the session's timeout
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                if exc.code() not in _STREAM_REFUSED:
                     raise
-            log.info("%s: verifier %s has no VerifyStream: unary Verify calls", self.name, self.config.verifier)
+                log.warning("%s: verifier %s refused a VerifyStream (%s): unary Verify calls", self.name,
+                            self.config.verifier, exc.details() or exc.code().name)
             self._stream.close()
             self._stream = None
         return self._stub.Verify(request, timeout=self.config.verify_timeout_s)

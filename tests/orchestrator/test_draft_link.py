@@ -1,20 +1,18 @@
 """The orchestrator's drafter link: an EndSequence that cannot reach the drafter is kept (a bounded
-queue) and sent once the link is back, unless the id was opened again meanwhile."""
+queue) and sent once the link is back, unless the id was opened again meanwhile; a drafter that
+refuses the stream is not reconnected to in a tight loop."""
 import time
 
 import pytest
 
+from drafter_service.client import DrafterClient
 from drafter_service.engine import Drafter
-from drafter_service.servicer import serve
+from drafter_service.servicer import DrafterServicer, serve
 from orchestrator.draft_link import DraftLink, PendingEnds
+from tests.orchestrator.stack import wait_until
+from treeserve.server import Server
 from treeserve.v1 import treeserve_pb2 as pb
-
-
-def wait_until(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
+from treeserve.v1 import treeserve_pb2_grpc as pbg
 
 
 def length_of(drafter: Drafter, sid: str) -> int | None:
@@ -65,3 +63,27 @@ def test_an_end_sent_while_the_drafter_is_unreachable_goes_out_once_it_is_back(d
     finally:
         link.shutdown()
         server.stop(grace=0)
+
+
+def test_a_drafter_that_refuses_the_stream_is_retried_with_a_growing_delay(drafter):
+    """Its unary calls answer but its one stream is taken: each reconnect restarts every sequence,
+    so they must back off (0.1, 0.2, 0.4... s) instead of looping at once."""
+    server = Server("127.0.0.1:0")
+    server.add(pbg.add_DrafterServicer_to_server, DrafterServicer(drafter, max_streams=1), "Drafter").start()
+    address = f"127.0.0.1:{server.port}"
+    client = DrafterClient(address, timeout=5)
+    held = client.stream()
+    assert held.draft("ghost", 1, 1).error is not None  # answered: the one stream is held
+    link = DraftLink(address, {"s": [1, 2, 3]}.get, vocab_size=1000, max_tree_nodes=16, call_timeout=5.0)
+    try:
+        link.open("s", pb.SamplingParams(), pb.DraftOptions())
+        t0 = time.monotonic()
+        wait_until(lambda: link.stats.reconnects >= 4, what="four connects")
+        # no stream has answered: the wait before the next connect has doubled on each (0.1 ... 0.8)
+        assert link._reconnect_delay >= 0.8 and time.monotonic() - t0 >= 0.1 + 0.2 + 0.4
+    finally:
+        link.shutdown()
+        held.close()
+        client.close()
+        server.stop(grace=0)
+

@@ -223,3 +223,16 @@ def _consume(stream) -> None:
             pass
     except grpc.RpcError:
         pass
+
+
+def test_the_command_line_caps_streams_as_the_front_does_unless_told():
+    import argparse
+
+    from orchestrator.cli_orchestrator import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args(["--verifier", "v:1"]).max_streams == FrontLimits().max_streams
+    assert p.parse_args(["--verifier", "v:1", "--max-streams", "8"]).max_streams == 8
+    with pytest.raises(SystemExit):
+        p.parse_args(["--verifier", "v:1", "--max-streams", "0"])

@@ -1,12 +1,14 @@
 """The engine sends its steps over VerifyStream: on the verifier's direct port when the verifier
 advertises one (and it answers), else over gRPC; and it falls back to unary Verify against a verifier
-built before VerifyStream existed. Same output every way.
+built before VerifyStream existed, and against one whose streams are all taken. Same output every way.
 
 Every front door serves one verifier core in this process (one model, one batcher): a full Verifier;
 one that also serves the direct port; one that advertises a direct port nobody listens on; and one
-registered without VerifyStream, as an older build answers (UNIMPLEMENTED)."""
+registered without VerifyStream, as an older build answers (UNIMPLEMENTED); and one that takes a
+single VerifyStream, held by another client (RESOURCE_EXHAUSTED)."""
 from __future__ import annotations
 
+import queue
 import socket
 import time
 
@@ -62,8 +64,8 @@ def verifiers(tiny_pair):
     lm = HybridLM.from_pretrained(tiny_pair[0], max_slots=limits.max_sequences, max_len=limits.max_sequence_length)
     core = VerifierEngine(lm, limits)
     batcher = Batcher(core, limits).start()
-    def servicer(direct_port: int = 0):
-        made = VerifierServicer(core, batcher, ModelInfo("target", "cpu", (0,)), max_streams=limits.max_sequences)
+    def servicer(direct_port: int = 0, max_streams: int = limits.max_sequences):
+        made = VerifierServicer(core, batcher, ModelInfo("target", "cpu", (0,)), max_streams=max_streams)
         made.direct_port = direct_port
         return made
 
@@ -76,7 +78,8 @@ def verifiers(tiny_pair):
     servers = {"current": Server("127.0.0.1:0").add(register_verifier, servicer(), "Verifier"),
                "direct": Server("127.0.0.1:0").add(register_verifier, direct_servicer, "Verifier"),
                "dead_direct": Server("127.0.0.1:0").add(register_verifier, servicer(dead_port), "Verifier"),
-               "older": Server("127.0.0.1:0").add(register_without_verify_stream, servicer(), "Verifier")}
+               "older": Server("127.0.0.1:0").add(register_without_verify_stream, servicer(), "Verifier"),
+               "full": Server("127.0.0.1:0").add(register_verifier, servicer(max_streams=1), "Verifier")}
     for s in servers.values():
         s.start()
     yield {name: f"127.0.0.1:{s.port}" for name, s in servers.items()}, f"127.0.0.1:{direct.port}"
@@ -100,10 +103,23 @@ def generate(engine: Engine, rid: str, prompt: list[int]) -> list[int]:
     raise TimeoutError(f"{rid} did not finish")
 
 
-def test_engine_streams_and_falls_back_to_unary_on_an_older_verifier(verifiers):
+def hold_the_only_stream(address: str):
+    """Open the one VerifyStream a verifier of max_streams=1 takes, and keep it open (-> its call)."""
+    from treeserve.stream_session import drain
+    from treeserve.v1 import treeserve_pb2 as pb
+
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    call = pbg.VerifierStub(grpc.insecure_channel(address)).VerifyStream(drain(requests), timeout=120)
+    requests.put(pb.VerifyRequest())
+    next(call)  # answered: the server holds the stream
+    return call
+
+
+def test_engine_streams_and_falls_back_to_unary_on_an_older_or_full_verifier(verifiers):
     addresses, direct_address = verifiers
     prompt = [5, 17, 42, 8, 99, 3]
     outputs, rpcs, stream_addresses = {}, {}, {}
+    held = hold_the_only_stream(addresses["full"])
     for name, address in addresses.items():
         engine = Engine(EngineConfig(verifier=address, name=name, connect_timeout_s=30)).start()
         engine.eos = frozenset()  # the full NEW_TOKENS whatever the random target predicts
@@ -113,10 +129,11 @@ def test_engine_streams_and_falls_back_to_unary_on_an_older_verifier(verifiers):
             rpcs[name], stream_addresses[name] = stats["verify_rpc"], stats["verify_stream_address"]
         finally:
             engine.stop()
+    held.cancel()
     assert rpcs == {"current": "VerifyStream", "direct": "VerifyStream", "dead_direct": "VerifyStream",
-                    "older": "Verify"}
+                    "older": "Verify", "full": "Verify"}
     assert stream_addresses["direct"] == direct_address
     assert stream_addresses["current"] == addresses["current"]
     assert stream_addresses["dead_direct"] == addresses["dead_direct"]  # fell back to gRPC
     assert len(outputs["current"]) == NEW_TOKENS
-    assert outputs["older"] == outputs["current"] == outputs["direct"] == outputs["dead_direct"]
+    assert outputs["older"] == outputs["current"] == outputs["direct"] == outputs["dead_direct"] == outputs["full"]

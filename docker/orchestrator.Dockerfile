@@ -9,6 +9,8 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY treeserve treeserve
 COPY orchestrator orchestrator
+# the verifier's client (an engine's VerifyStream on a verifier's direct port)
+COPY verifier_service verifier_service
 RUN pip install --no-deps .
 COPY docker/healthcheck.py /usr/local/bin/treeserve-healthcheck
 EXPOSE 50051

@@ -12,7 +12,7 @@ import logging
 import sys
 import time
 
-from orchestrator.cli_serve import SetupError, launch, plan_from
+from orchestrator.cli_serve import LaunchFailed, SetupError, launch_or_say_why, plan_from
 from orchestrator.client import GenerationClient, Result, request
 from orchestrator.procs import stop_all
 from orchestrator.runtime import OrchestratorConfig
@@ -61,7 +61,11 @@ def run(args: argparse.Namespace) -> int:
     drafting = "n-gram lookup" if plan.drafter is None else plan.drafter.name
     print(f"starting: target {plan.target.name} on {plan.device}, drafter {drafting} ...", flush=True)
     config = OrchestratorConfig(verifiers=[], port=0, tokenizer=str(plan.target), quiet=True)
-    children, orch = launch(plan, config, args.log_dir)
+    try:
+        children, orch = launch_or_say_why(plan, config, args.log_dir)
+    except LaunchFailed as exc:
+        print(f"treeserve demo: {exc}", file=sys.stderr)
+        return 1
     try:
         print(f"ready in {time.perf_counter() - t_start:.0f} s\n", flush=True)
         with GenerationClient(f"127.0.0.1:{orch.port}") as client:

@@ -12,7 +12,8 @@ from orchestrator.client import MODES, SHAPES, GenerationClient, request
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", default=None, help="prompt text (or --tokens)")
-    p.add_argument("--tokens", default=None, help="prompt as space-separated token ids instead of text")
+    p.add_argument("--tokens", type=token_ids, default=None, metavar="IDS",
+                   help="prompt as space-separated token ids instead of text")
     p.add_argument("--address", default="127.0.0.1:50051", help="Generation service host:port")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -31,11 +32,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
 
 
+def token_ids(text: str) -> list[int]:
+    """An argparse type: space-separated token ids (whole numbers >= 0)."""
+    try:
+        ids = [int(t) for t in text.split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be space-separated token ids, got {text!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"must be one or more token ids >= 0, got {text!r}")
+    return ids
+
+
 def run(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.tokens is None):
         print("give a prompt or --tokens", file=sys.stderr)
         return 2
-    prompt = args.prompt if args.tokens is None else [int(t) for t in args.tokens.split()]
+    prompt = args.prompt if args.tokens is None else args.tokens
     req = request(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, speculation=args.speculation, shape=args.shape,
                   node_budget=args.node_budget, max_depth=args.max_depth, draft_ahead=args.draft_ahead,

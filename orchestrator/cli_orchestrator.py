@@ -93,9 +93,15 @@ def run(args: argparse.Namespace) -> int:
         print("give at least one --verifier (or --ray-address of a deployment whose replicas register later)",
               file=sys.stderr)
         return 2
-    from orchestrator.runtime import Orchestrator
+    from orchestrator.runtime import Orchestrator, RegistrationFailed
 
-    orch = Orchestrator(config_from(args)).start()
+    orch = Orchestrator(config_from(args))
+    try:
+        orch.start()
+    except (RegistrationFailed, OSError, RuntimeError) as exc:  # a verifier, or the port (gRPC's bind error)
+        orch.stop()
+        print(f"treeserve orchestrator: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 1
     print(f"orchestrator listening on {args.host}:{orch.port}", flush=True)
     orch.wait()
     return 0

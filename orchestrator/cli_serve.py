@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import pathlib
+import socket
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
@@ -178,6 +179,30 @@ def launch(plan: Plan, config: OrchestratorConfig, log_dir: Optional[str] = None
             raise
 
 
+class LaunchFailed(Exception):
+    """A service did not start (`launch_or_say_why`); the message is one line for the terminal."""
+
+
+def launch_or_say_why(plan: Plan, config: OrchestratorConfig, log_dir: Optional[str] = None):
+    """`launch`, with what stopped it in one line (LaunchFailed): a child that exited (its own last
+    words: a checkpoint that does not load...), did not come up in time, or a port that was taken.
+    Checks first that the public port (when one is named) can be bound, before any model loads."""
+    if config.port:
+        try:
+            with socket.socket() as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+                probe.bind((config.host, config.port))
+        except OSError as exc:
+            raise LaunchFailed(f"cannot take {config.host}:{config.port}: {exc.strerror}") from None
+    try:
+        return launch(plan, config, log_dir)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        why = lines[0] if len(lines) < 2 else f"{lines[0]} {lines[-1]}"
+        where = f" (logs in {log_dir})" if log_dir else ""
+        raise LaunchFailed(f"{why}{where}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         plan = plan_from(args)
@@ -188,7 +213,11 @@ def run(args: argparse.Namespace) -> int:
                                 tokenizer=str(plan.target), draft_timeout_s=args.draft_timeout_ms / 1e3,
                                 limits=FrontLimits(default_max_new_tokens=args.default_max_new_tokens),
                                 shutdown_grace_s=args.shutdown_grace_s)
-    children, orch = launch(plan, config, args.log_dir)
+    try:
+        children, orch = launch_or_say_why(plan, config, args.log_dir)
+    except LaunchFailed as exc:
+        print(f"treeserve serve: {exc}", file=sys.stderr)
+        return 1
     try:
         # after the children have loaded (the loops would slow that a little), before any client
         with cores.CoreSpinners(args.keep_cores_awake):

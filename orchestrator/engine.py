@@ -67,6 +67,11 @@ MOVED_MEMORY = 4096  # moved requests remembered, so that a cancel that arrives 
 ENDINGS_FLUSH_S = 5.0  # how long a stopping engine lets its queued last events go out
 
 
+class VerifierUnreachable(grpc.FutureTimeoutError):
+    """No connection to the verifier within the time given (a FutureTimeoutError, as before, for the
+    callers that retry; with the address and the wait in its message for those that report it)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     verifier: str
@@ -631,7 +636,8 @@ class Engine:
             except grpc.FutureTimeoutError:
                 channel.close()
                 if time.monotonic() >= deadline:
-                    raise
+                    raise VerifierUnreachable(f"verifier {self.config.verifier} did not answer within {timeout:g} s") \
+                        from None
         stub = pbg.VerifierStub(channel)
         try:
             stats = stub.Stats(pb.StatsRequest(), timeout=min(10.0, timeout))

@@ -17,6 +17,8 @@ from typing import Optional, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from treeserve import lifetime
+
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 _BIND_FAILED = "Failed to bind to address"  # grpc's words when a server cannot take its port
 
@@ -92,6 +94,7 @@ class Child:
         self._log = open(self.log_path, "ab")
         self._log_start = self._log.tell()  # a reused log file: an earlier run's 'listening on' is stale
         full_env = dict(os.environ)
+        full_env.update(lifetime.child_env())  # it ends with this process, however this one ends
         full_env.update(env or {})
         cmd = [*prefix, sys.executable, "-m", "treeserve.cli", *self.args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,

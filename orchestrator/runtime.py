@@ -62,6 +62,18 @@ def load_tokenizer(path: Optional[str]):
     return AutoTokenizer.from_pretrained(path)
 
 
+class RegistrationFailed(RuntimeError):
+    """A listed verifier could not be registered (unreachable, or its engine failed to start)."""
+
+
+def _innermost(exc: BaseException) -> str:
+    """The last line of an exception's text that names an error: what Ray's wrapped tracebacks
+    end with, the engine's own exception."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    named = [line for line in lines if "Error" in line.split(":", 1)[0] or "Unreachable" in line.split(":", 1)[0]]
+    return (named or lines or [type(exc).__name__])[-1]
+
+
 class Orchestrator:
     """Ray + coordinator + engines + the Generation server. `start()` returns once every listed
     verifier is registered and the server is listening on `self.port`."""
@@ -97,7 +109,11 @@ class Orchestrator:
         c = self.config
         self.prepare()
         for address in c.verifiers:
-            info = ray.get(self.coordinator.register.remote(address))
+            log.info("registering verifier %s (waiting up to %g s for it to answer)", address, c.connect_timeout_s)
+            try:
+                info = ray.get(self.coordinator.register.remote(address))
+            except Exception as exc:  # noqa: BLE001 - Ray wraps whatever the engine's start-up raised
+                raise RegistrationFailed(f"verifier {address} could not be registered: {_innermost(exc)}") from exc
             log.info("verifier %s registered (engine %s)", address, info["engine"])
         tokenizer = load_tokenizer(c.tokenizer)
         front = f"front-{socket.gethostname()}-{os.getpid()}"

@@ -7,6 +7,8 @@ import importlib
 import logging
 import sys
 
+from treeserve import lifetime
+
 # subcommand -> (module defining add_arguments(parser) and run(args), one-line help)
 COMMANDS = {
     "serve": ("orchestrator.cli_serve", "run drafter + verifier + orchestrator on this machine (the demo's server)"),
@@ -40,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    lifetime.end_with_parent()  # a child of `treeserve serve` ends with it
     module_name, help_text = COMMANDS[args.command]
     try:
         module = importlib.import_module(module_name)

@@ -35,3 +35,30 @@ def test_compose_services_and_gpu_reservation():
         dockerfile = svc["build"]["dockerfile"]
         assert dockerfile == f"docker/{name}.Dockerfile" and (ROOT / dockerfile).is_file()
     assert services["orchestrator"]["depends_on"]["verifier"]["condition"] == "service_healthy"
+
+
+# what each image's entry point imports when it starts serving
+IMAGE_MODULES = {
+    "orchestrator": ["orchestrator.cli_orchestrator", "orchestrator.runtime", "orchestrator.actors",
+                     "orchestrator.engine", "orchestrator.generation", "orchestrator.router"],
+    "drafter": ["drafter_service.cli", "drafter_service.servicer", "drafter_service.draftlm"],
+    "verifier": ["verifier_service.cli", "verifier_service.servicer", "models"],
+}
+
+
+@pytest.mark.parametrize("image", sorted(IMAGE_MODULES))
+def test_each_image_holds_every_package_its_service_imports(image, tmp_path):
+    """An image gets only the packages its Dockerfile copies: import the service's modules from a
+    tree that holds just those (and the installed dependencies), not from this checkout."""
+    import site
+    import sys
+
+    copied = [line.split()[1] for line in (ROOT / f"docker/{image}.Dockerfile").read_text().splitlines()
+              if line.startswith("COPY ") and (ROOT / line.split()[1]).is_dir() and line.split()[1] != "docker"]
+    for package in copied:
+        (tmp_path / package).symlink_to(ROOT / package)
+    # -S: no site-packages .pth files, so the editable install cannot put this checkout on the path
+    code = (f"import sys; sys.path[:0] = [{str(tmp_path)!r}, *{site.getsitepackages()!r}]; "
+            f"import importlib; [importlib.import_module(m) for m in {IMAGE_MODULES[image]!r}]")
+    r = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{image} image ({', '.join(copied)}): {r.stderr.strip().splitlines()[-1:]}"

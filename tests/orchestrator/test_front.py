@@ -236,3 +236,31 @@ def test_the_command_line_caps_streams_as_the_front_does_unless_told():
     assert p.parse_args(["--verifier", "v:1", "--max-streams", "8"]).max_streams == 8
     with pytest.raises(SystemExit):
         p.parse_args(["--verifier", "v:1", "--max-streams", "0"])
+
+
+def test_an_orchestrator_whose_verifier_does_not_answer_says_so_in_one_line():
+    import subprocess
+    import sys
+
+    from orchestrator.procs import free_port
+
+    nobody = f"127.0.0.1:{free_port()}"
+    r = subprocess.run([sys.executable, "-m", "treeserve.cli", "orchestrator", "--verifier", nobody, "--port", "0",
+                        "--connect-timeout-s", "2"], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 1
+    assert (f"treeserve orchestrator: verifier {nobody} could not be registered: "
+            f"orchestrator.engine.VerifierUnreachable: verifier {nobody} did not answer within 2 s") in r.stderr
+
+
+def test_generate_reads_token_ids_or_refuses_them_in_one_line(capsys):
+    import argparse
+
+    from orchestrator.cli_generate import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args(["--tokens", "1 22 3"]).tokens == [1, 22, 3]
+    for bad in ("1 x", "", "-4"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--tokens", bad])
+        assert "token ids" in capsys.readouterr().err

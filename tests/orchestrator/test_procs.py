@@ -86,3 +86,38 @@ def test_a_launch_whose_port_was_taken_starts_again_on_new_ports():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "starting again on new ports" in run.stderr
     assert "ready in" in run.stdout
+
+
+def test_a_child_ends_when_its_parent_is_killed_outright(tmp_path):
+    """`kill -9` of the process that started a child runs none of its clean-up; the child still
+    ends (SIGTERM from the kernel when its parent dies) instead of keeping its model and ports."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "from orchestrator.procs import Child; import time\n"
+         f"c = Child(['drafter', '--ngram', '--port', '0'], 'drafter', {str(tmp_path / 'd.log')!r})\n"
+         "c.wait(60); print(c.proc.pid, flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        child_pid = int(parent.stdout.readline())
+    finally:
+        parent.kill()
+        parent.wait()
+
+    def running(pid: int) -> bool:  # gone, or a zombie nobody reaps, counts as ended
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 30
+    while running(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if running(child_pid):
+        os.kill(child_pid, signal.SIGKILL)
+        pytest.fail("the child outlived its killed parent")

@@ -35,3 +35,38 @@ def test_trimmed_vocabulary_needs_a_draft_model(tmp_path):
 def test_missing_trimmed_vocabulary_file_is_a_clear_error(tmp_path):
     with pytest.raises(SetupError, match="not found"):
         plan_from(parse("--device", "cpu", "--drafter-trim-vocab", str(tmp_path / "nope.json")))
+
+
+def test_a_taken_public_port_is_one_line_before_anything_starts():
+    import socket
+
+    from orchestrator.cli_serve import LaunchFailed, launch_or_say_why
+    from orchestrator.runtime import OrchestratorConfig
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        config = OrchestratorConfig(verifiers=[], host="127.0.0.1", port=port, quiet=True)
+        with pytest.raises(LaunchFailed, match=f"cannot take 127.0.0.1:{port}"):
+            launch_or_say_why(plan_from(parse("--device", "cpu", "--ngram")), config)
+
+
+def test_a_verifier_that_cannot_load_its_model_is_one_line(tmp_path):
+    """The child's own last words, not a traceback through the launcher."""
+    import pathlib
+    import shutil
+
+    from orchestrator.cli_serve import LaunchFailed, launch_or_say_why
+    from orchestrator.runtime import OrchestratorConfig
+
+    target = pathlib.Path(__file__).resolve().parents[2] / "models" / "demo" / "target"
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copy(target / "config.json", broken / "config.json")  # no weights
+    config = OrchestratorConfig(verifiers=[], port=0, quiet=True)
+    with pytest.raises(LaunchFailed) as failed:
+        launch_or_say_why(plan_from(parse("--device", "cpu", "--ngram", "--model", str(broken))), config, str(tmp_path))
+    message = str(failed.value)
+    assert "\n" not in message and "verifier-0 exited" in message and "safetensors" in message
+    assert message.endswith(f"(logs in {tmp_path})")

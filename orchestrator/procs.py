@@ -84,7 +84,9 @@ def wait_serving(address: str, timeout: float, service: str = "", alive=lambda: 
 
 class Child:
     """`treeserve <args>` as a child process; output goes to `log_path` (a temp file by default).
-    `address` is known once `wait()` returns."""
+    `address` is known once `wait()` returns. The child ends when this process does
+    (`treeserve.lifetime`); the kernel ties it to the thread that starts it, so start children from
+    a thread that lives as long as they should (the main thread, as `treeserve serve` does)."""
 
     def __init__(self, args: Sequence[str], name: str, log_path: Optional[str] = None, env: Optional[dict] = None,
                  preexec=None, prefix: Sequence[str] = ()):

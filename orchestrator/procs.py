@@ -84,9 +84,8 @@ def wait_serving(address: str, timeout: float, service: str = "", alive=lambda: 
 
 class Child:
     """`treeserve <args>` as a child process; output goes to `log_path` (a temp file by default).
-    `address` is known once `wait()` returns. The child ends when this process does
-    (`treeserve.lifetime`); the kernel ties it to the thread that starts it, so start children from
-    a thread that lives as long as they should (the main thread, as `treeserve serve` does)."""
+    `address` is known once `wait()` returns. The child ends when this process does, however this
+    one ends (`treeserve.lifetime`)."""
 
     def __init__(self, args: Sequence[str], name: str, log_path: Optional[str] = None, env: Optional[dict] = None,
                  preexec=None, prefix: Sequence[str] = ()):
@@ -95,12 +94,16 @@ class Child:
         self.log_path = log_path or tempfile.mkstemp(prefix=f"treeserve-{name}-", suffix=".log")[1]
         self._log = open(self.log_path, "ab")
         self._log_start = self._log.tell()  # a reused log file: an earlier run's 'listening on' is stale
+        self._tether = lifetime.Tether()  # it ends with this process, however this one ends
         full_env = dict(os.environ)
-        full_env.update(lifetime.child_env())  # it ends with this process, however this one ends
+        full_env.update(self._tether.env())
         full_env.update(env or {})
         cmd = [*prefix, sys.executable, "-m", "treeserve.cli", *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                     start_new_session=True, preexec_fn=preexec)
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
+                                         start_new_session=True, preexec_fn=preexec, pass_fds=[self._tether.fd])
+        finally:
+            self._tether.child_started()
         self.address: Optional[str] = None
 
     def alive(self) -> bool:
@@ -144,6 +147,7 @@ class Child:
                 pass
         self.kill()
         self._log.close()
+        self._tether.close()
 
     def kill(self) -> None:
         """SIGKILL the child (and its process group): a crash, as far as its peers can tell."""

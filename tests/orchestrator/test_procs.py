@@ -121,3 +121,21 @@ def test_a_child_ends_when_its_parent_is_killed_outright(tmp_path):
     if running(child_pid):
         os.kill(child_pid, signal.SIGKILL)
         pytest.fail("the child outlived its killed parent")
+
+
+def test_a_child_started_from_a_thread_outlives_that_thread(tmp_path):
+    """What ties a child to its parent is the parent process, not the thread that started it (a
+    test's helper thread, a restart from a worker)."""
+    import threading
+
+    started = {}
+    t = threading.Thread(target=lambda: started.update(child=Child(["drafter", "--ngram", "--port", 0], "drafter",
+                                                                   str(tmp_path / "d.log"))))
+    t.start()
+    t.join()
+    child = started["child"]
+    try:
+        child.wait(60)  # serves, after its starter thread has ended
+        assert child.alive()
+    finally:
+        child.stop()

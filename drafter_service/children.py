@@ -59,6 +59,8 @@ class Children:
     tokens: tuple[int, ...]
     logq: tuple[float, ...]
     dist: SparseDist | None = None
+    # what the tree ranks each child by (`nodes.rank_logq`); None: logq itself
+    rank: tuple[float, ...] | None = None
 
 
 def rule_for(s: Sampling, with_dists: bool) -> PickRule:
@@ -102,20 +104,49 @@ class ChildPicker:
         n, width = logits.shape
         if n == 0:
             return []
+        if self.rule is PickRule.DRAWN:  # only draws read the salts and the position
+            dev = logits.device
+            salt = torch.tensor(list(salts), dtype=torch.long).to(dev, non_blocking=True)
+            at = torch.full((1,), int(position), dtype=torch.long, device=dev)
+        else:
+            salt = at = None
+        picked = self.pick_tensors(logits, k, at, salt, sampling.stream_key(self.sampling.seed, sampling.STREAM_DRAFT))
+        # the log-probabilities are taken here, on the host copy: on the device they would be more
+        # launches on a path that pays for each one
+        if picked.draw_order is None:
+            tokens, probs = _to_host(picked.top_tokens, picked.top_probs)
+            out = []
+            for rt, rp in zip(tokens.astype("int64").tolist(), probs.tolist()):
+                keep = [(t, math.log(p)) for t, p in zip(rt, rp) if p > 0.0]
+                out.append(Children(tuple(t for t, _ in keep), tuple(lq for _, lq in keep)))
+            return out
+        order, dist_t, dist_p = _to_host(picked.draw_order, picked.dist_tokens, picked.dist_probs)
+        out = []
+        for ro, dt, dp in zip(order.astype("int64").tolist(), dist_t.astype("int64").tolist(), dist_p.tolist()):
+            listed = [(t, p) for t, p in zip(dt, dp) if p > 0.0]
+            dist = SparseDist(tuple(t for t, _ in listed), tuple(p for _, p in listed), 0.0)
+            # the drawn children in draw order, the k-th ranked by q's k-th largest probability
+            drawn = [j for j in ro if dp[j] > 0.0]
+            out.append(Children(tuple(dt[j] for j in drawn), tuple(math.log(dp[j]) for j in drawn), dist,
+                                tuple(math.log(p) for p in dp[: len(drawn)])))
+        return out
+
+    def pick_tensors(self, logits: torch.Tensor, k: int, position: torch.Tensor | None, salts: torch.Tensor | None,
+                     stream_key: torch.Tensor | int) -> "Picked":
+        """The children of n nodes as device tensors, with no host synchronisation (a CUDA graph can
+        hold it). logits (n, K) over the head's columns; position (1,) int64 the tree's committed
+        length; salts (n,) int64 distinct per-node ids; stream_key: `sampling.stream_key(seed,
+        STREAM_DRAFT)`, an int or an int64 tensor. Only draws read position, salts and stream_key."""
+        width = logits.shape[-1]
         if self.rule is PickRule.DRAWN:
-            return self._draw(logits, k, position, salts)
+            return self._draw(logits, k, position, salts, stream_key)
         probs = self.ranking_probs(logits)
         top_p, top_c = torch.topk(probs, min(k, width), dim=-1)
-        top_p, top_t = _to_host(top_p, self._tokens(top_c))
-        out = []
-        for row_p, row_t in zip(top_p.tolist(), top_t.astype("int64").tolist()):
-            keep = [(t, math.log(p)) for p, t in zip(row_p, row_t) if p > 0.0]
-            out.append(Children(tuple(t for t, _ in keep), tuple(lp for _, lp in keep)))
-        return out
+        return Picked(top_tokens=self._tokens(top_c), top_probs=top_p)
 
     def draft_distribution(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The q that DRAWN samples from, per row: (n, m) token ids and (n, m) float32 probs
-        (zero-padded where a row's support is smaller than m). Rows sum to 1."""
+        (zero-padded where a row's support is smaller than m), largest first. Rows sum to 1."""
         q = sampling.transform(logits, self.sampling)
         m = min(self.support, q.shape[-1])
         probs, cols = torch.topk(q, m, dim=-1)
@@ -126,35 +157,82 @@ class ChildPicker:
     def _tokens(self, cols: torch.Tensor) -> torch.Tensor:
         return cols.long() if self.columns is None else self.columns.to_tokens(cols)
 
-    def _draw(self, logits: torch.Tensor, k: int, position: int, salts: Sequence[int]) -> list[Children]:
+    def _draw(self, logits: torch.Tensor, k: int, position: torch.Tensor, salts: torch.Tensor,
+              stream_key: torch.Tensor | int) -> "Picked":
         tokens, probs = self.draft_distribution(logits)
         # noise index: (node, token id); the id space, not the column count, so that the noise of a
         # token does not depend on which other tokens the head keeps
         vocab = logits.shape[-1] if self.columns is None else self.columns.vocab_size
-        salt = torch.tensor(list(salts), dtype=torch.long).to(tokens.device, non_blocking=True)[:, None]
-        u_index = salt * vocab + tokens
-        pos = torch.full_like(u_index, int(position))
-        u = sampling.uniforms(self.sampling.seed, pos, sampling.STREAM_DRAFT, u_index)
+        u_index = salts.long()[:, None] * vocab + tokens
+        u = sampling.uniforms_keyed(stream_key, position.long().reshape(1, 1).expand_as(u_index), u_index)
         gumbel = -torch.log(-torch.log(u))
         # Gumbel-top-k over the float32 probabilities that are reported: the draw follows exactly the
-        # listed q (Gumbel-max is invariant to the normalising constant).
-        scores = torch.where(probs > 0, torch.log(probs.double()) + gumbel, torch.full_like(gumbel, -math.inf))
-        order = torch.argsort(scores, dim=-1, descending=True)
-        tokens, probs, order = _to_host(tokens, probs, order)
-        out = []
-        for row_t, row_p, row_o in zip(tokens.astype("int64").tolist(), probs.tolist(),
-                                       order.astype("int64").tolist()):
-            listed = [(t, p) for t, p in zip(row_t, row_p) if p > 0.0]
-            dist = SparseDist(tuple(t for t, _ in listed), tuple(p for _, p in listed), 0.0)
-            chosen = [j for j in row_o if row_p[j] > 0.0][:k]
-            out.append(Children(
-                tuple(row_t[j] for j in chosen), tuple(math.log(row_p[j]) for j in chosen), dist
-            ))
-        return out
+        # listed q (Gumbel-max is invariant to the normalising constant). Tokens of zero mass sort last.
+        logp = torch.log(probs.double())
+        scores = torch.where(probs > 0, logp + gumbel, torch.full_like(gumbel, -math.inf))
+        order = torch.argsort(scores, dim=-1, descending=True)[:, :k]
+        return Picked(dist_tokens=tokens, dist_probs=probs, draw_order=order)
+
+
+@dataclass(frozen=True)
+class Picked:
+    """Children of n nodes on the device, k' = min(k, candidates) each, in the order they join the
+    tree. The top-k rules give top_tokens (n, k') int64 and top_probs (n, k') float32. DRAWN gives
+    the distribution drawn from, dist_tokens (n, m) int64 and dist_probs (n, m) float32 (largest
+    first, zero-padded), and draw_order (n, k') int64, the columns drawn, in draw order. Either way
+    `tokens`, `probs` (0: no child), `rank_probs` (what the tree ranks a child by,
+    `nodes.rank_logq`) and their logs are (n, k'), derived on first use (the host path reads the
+    fields it needs and launches nothing more)."""
+
+    top_tokens: torch.Tensor | None = None
+    top_probs: torch.Tensor | None = None
+    dist_tokens: torch.Tensor | None = None
+    dist_probs: torch.Tensor | None = None
+    draw_order: torch.Tensor | None = None
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.top_tokens if self.draw_order is None else self.dist_tokens.gather(1, self.draw_order)
+
+    @property
+    def probs(self) -> torch.Tensor:
+        return self.top_probs if self.draw_order is None else self.dist_probs.gather(1, self.draw_order)
+
+    @property
+    def rank_probs(self) -> torch.Tensor:
+        """A drawn child is ranked by its place in the draw: the k-th by q's k-th largest probability."""
+        return self.top_probs if self.draw_order is None else self.dist_probs[:, : self.draw_order.shape[1]]
+
+    @property
+    def logq(self) -> torch.Tensor:
+        """(n, k') float64."""
+        return _log(self.probs)
+
+    @property
+    def rank_logq(self) -> torch.Tensor:
+        """(n, k') float64."""
+        return _log(self.rank_probs)
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """(n, k') bool: the candidate is a child."""
+        return self.probs > 0
+
+
+def _log(probs: torch.Tensor) -> torch.Tensor:
+    """float64 log of float32 probabilities."""
+    return torch.log(probs.double())
 
 
 def _to_host(*tensors: torch.Tensor):
-    """Same-shaped tensors -> numpy float64 arrays, in one device-to-host transfer. float32
-    probabilities and int64 token ids (< 2**53) are exact in float64."""
-    both = torch.stack([t.double() for t in tensors]).cpu().numpy()
-    return tuple(both)
+    """Tensors with the same first dimension -> numpy float64 arrays, in one device-to-host
+    transfer. float32 probabilities and int64 token ids (< 2**53) are exact in float64."""
+    if all(t.shape == tensors[0].shape for t in tensors):
+        return tuple(torch.stack([t.double() for t in tensors]).cpu().numpy())
+    flat = torch.cat([t.double().flatten(1) for t in tensors], dim=1).cpu().numpy()
+    out, at = [], 0
+    for t in tensors:
+        width = t[0].numel()
+        out.append(flat[:, at:at + width].reshape(t.shape))
+        at += width
+    return tuple(out)

@@ -11,6 +11,9 @@ verifications are not meant for concurrent callers).
 On CUDA the steps replay CUDA graphs by default (`use_graphs`): a draft level of a small drafter is
 otherwise all kernel-launch overhead. The graphs' shared commit stash is only copied when a live
 verification of another slot (draft-ahead) still needs it, and then only that tree's rows.
+
+Dynamic trees grow on the device (`grow`, `drafter_service.growth`): a level of the best-first loop,
+forward and selection together, is one graph replay, and the host reads one number per level.
 """
 from __future__ import annotations
 
@@ -18,17 +21,28 @@ import os
 import pathlib
 import threading
 import time
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
+from drafter_service import growth as growth_mod
+from drafter_service.children import ChildPicker
 from drafter_service.head import DraftHead
+from drafter_service.proposer import Draft
 from drafter_service.vocab import TrimmedVocab
 from models.graphs import CAPTURE_LOCK
+from treeserve import sampling
 from treeserve.errors import InvalidArgument, ResourceExhausted
-from treeserve.tree import TokenTree
+from treeserve.tree import SparseDist, TokenTree
+
+# Most growth tables a draft model keeps, one per (budget, depth, pick rule, sampling transform).
+# With CUDA graphs the first MAX_GROWTHS shapes get graphs for the model's life and later shapes take
+# the host loop, so requests cannot make the drafter capture again and again; eagerly, the least
+# recently used table is dropped.
+MAX_GROWTHS = 16
 
 @dataclass
 class Verified:
@@ -81,6 +95,8 @@ class DraftModel:
         self._lock = threading.RLock()
         self.gate = Gate()
         self.forward_ms = 0.0  # total time spent in runtime calls (metrics)
+        self._growths: OrderedDict = OrderedDict()
+        self._stash = None  # without a graph runner: the stash of the latest grown tree
 
     @classmethod
     def load(cls, path: str, device: str = "cpu", dtype: torch.dtype | None = None, max_slots: int = 64,
@@ -111,10 +127,14 @@ class DraftModel:
 
         The drafter runs one tree at a time, so the runner's shared stash is sized for one tree of
         the largest node bucket, not for a batch of every slot; with capture, every single-tree
-        bucket is captured now, so no capture ever runs while other threads use the device."""
+        bucket is captured now. The graphs of a dynamic tree's growth (`grow`) are captured at the
+        first tree of each budget, depth and sampling transform (at most `MAX_GROWTHS` shapes),
+        under `models.graphs.CAPTURE_LOCK`, which every device step of this model and of its
+        callers' pickers holds (`exclusive`), so no drafter work runs beside a capture."""
         from models.graphs import NODE_BUCKETS
 
         with self._call():
+            self._growths.clear()  # their steps write the stash of the runner they were built for
             runner = self.lm.use_graphs(capture, max_rows=max(NODE_BUCKETS))
             if capture:
                 self._warm_up(runner)
@@ -183,6 +203,107 @@ class DraftModel:
             self.lm.pool.free(slot)
 
     # ---- forward passes ----------------------------------------------------------------------
+    def can_grow(self, budget: int, depth: int, picker: ChildPicker) -> bool:
+        """Whether `grow` takes this tree: budget >= 2 and depth >= 1, a node bucket holds it, its
+        candidate table stays small (`growth.MAX_CANDIDATES`), and, where growth is captured as
+        CUDA graphs, its shape has graphs already or there is room for them (`MAX_GROWTHS`)."""
+        if budget < 2 or depth < 1 or self._node_bucket(budget) is None:
+            return False
+        depth = min(depth, budget - 1)
+        if growth_mod.Shape(budget, depth, budget).capacity > growth_mod.MAX_CANDIDATES:
+            return False
+        runner = self.lm.graphs
+        captured = runner is not None and runner.capture
+        return not captured or _growth_key(budget, depth, picker) in self._growths or len(self._growths) < MAX_GROWTHS
+
+    def grow(self, slot: int, root: int, budget: int, depth: int, picker: ChildPicker,
+             still_wanted: Callable[[], None]) -> tuple[Draft, Verified]:
+        """A dynamic tree grown on the device (`drafter_service.growth`) after the slot's committed
+        tokens: the draft, and the last level's verification (there is always one). Only for trees
+        `can_grow` takes. `still_wanted()` runs before each level and may raise to stop the run."""
+        from models.verify import Pending, VerifyStash
+
+        depth = min(depth, budget - 1)  # no path of a B-node tree is longer
+        with self._call():
+            length = self.lm.pool.length(slot)
+            self.lm.pool.check_room(slot, budget, "draft tree")
+            runner = self.lm.graphs
+            growth, step = self._growth(budget, depth, picker)
+            if runner is not None:
+                runner.release_stash()
+            else:
+                self._stash = VerifyStash(self.lm.pool, growth.shape.nodes, self.lm.dtype)
+            key = sampling.stream_key(picker.sampling.seed, sampling.STREAM_DRAFT)
+            growth.inputs.copy_(torch.tensor([root, length, slot, key], dtype=torch.int64), non_blocking=True)
+            step.reset()
+            for _ in range(depth):
+                still_wanted()
+                step.level()
+                if int(growth.frontier_count.item()) == 0:
+                    break
+            draft, forwarded = _read_growth(growth, picker.reports_dists)
+            stash = runner.hand_out_stash() if runner is not None else self._stash
+            pending = Pending(slot, self.lm.pool.version(slot), length, forwarded.parents, stash, 0)
+            stash.attach([pending])
+            return draft, Verified(forwarded, pending)
+
+    def _node_bucket(self, budget: int) -> int | None:
+        from models.graphs import NODE_BUCKETS
+
+        pool = self.lm.pool
+        fits = [n for n in NODE_BUCKETS if budget <= n <= pool.capacity - pool.max_len]
+        return min(fits) if fits else None
+
+    def _growth(self, budget: int, depth: int, picker: ChildPicker):
+        """The growth table and its two steps for this shape and picker. Captured ones are kept for
+        the model's life (`can_grow` bounds how many), so no shape is captured twice; eager ones
+        (no capturing runner) are dropped least recently used first."""
+        key = _growth_key(budget, depth, picker)
+        hit = self._growths.pop(key, None)
+        if hit is None:
+            hit = self._build_growth(budget, depth, picker)
+        self._growths[key] = hit  # most recent last
+        runner = self.lm.graphs
+        if runner is None or not runner.capture:
+            while len(self._growths) > MAX_GROWTHS:
+                self._growths.pop(next(iter(self._growths)))
+        return hit
+
+    @contextmanager
+    def exclusive(self):
+        """Device work of this model's callers (a picker's ops on its logits) that must not run
+        beside a capture (`models.graphs.CAPTURE_LOCK`) or another caller's steps."""
+        with CAPTURE_LOCK, self._lock:
+            yield
+
+    def _build_growth(self, budget: int, depth: int, picker: ChildPicker):
+        from models.batch import Packed
+
+        lm, head = self.lm, self.head
+        nodes = self._node_bucket(budget)
+        support = min(picker.support, head.size) if picker.reports_dists else 0
+        shape = growth_mod.Shape(budget, depth, nodes, support)
+        cu = torch.tensor([0, nodes], dtype=torch.int32, device=self.device)
+        runner = lm.graphs
+
+        def forward(tokens, positions, parents, rows):
+            batch = Packed(tokens=tokens, parents=parents, cu_seqlens=cu, slot_idx=g.slot.to(torch.int32),
+                           cache_lens=g.committed_length.to(torch.int32), positions=positions, max_nodes=nodes,
+                           sizes=[nodes], slots=[], lens=[])
+            stash = runner.stash if runner is not None else self._stash
+            return head.logits_at(lm.hidden("verify", batch, stash), rows)
+
+        g = growth_mod.Growth(shape, picker, forward, self.device)
+        if runner is None:
+            return g, _EagerSteps(g)
+        # the warm-up runs (reset, then one level) touch the scratch slot only
+        g.inputs.copy_(torch.tensor([0, 0, lm.pool.scratch_slot, 0], dtype=torch.int64))
+        reset = runner.capture_program(g.reset, f"draft tree reset {shape}")
+        level = runner.capture_program(g.level, f"draft tree level {shape}") if reset is not None else None
+        if level is None:
+            return g, _EagerSteps(g)
+        return g, _GraphSteps(reset, level)
+
     def verify(self, slot: int, tree: TokenTree, rows: Sequence[int] | None = None) -> tuple[torch.Tensor | None, Verified]:
         """One forward over `tree` placed after the slot's committed tokens (committed state
         untouched): fp32 logits (len(rows), K) over the head's columns at nodes `rows` (None: every
@@ -225,6 +346,59 @@ class DraftModel:
                 yield
             finally:
                 self.forward_ms += (time.perf_counter() - t0) * 1e3
+
+
+def _growth_key(budget: int, depth: int, picker: ChildPicker) -> tuple:
+    """What a growth's graphs depend on: its shape and its picker's rule and transform (not the
+    seed, which each run passes as a device tensor)."""
+    s = picker.sampling
+    return (budget, depth, picker.rule, picker.support, s.temperature, s.top_k, s.top_p)
+
+
+class _EagerSteps:
+    def __init__(self, growth):
+        self.reset, self.level = growth.reset, growth.level
+
+
+class _GraphSteps:
+    def __init__(self, reset, level):
+        self.reset, self.level = reset.replay, level.replay
+
+
+def _read_growth(g: "growth_mod.Growth", with_dists: bool) -> tuple[Draft, TokenTree]:
+    """The grown tree and the last forward's tree, brought to the host in one transfer."""
+    size, tokens, parents, logp, _, dist_t, dist_p = g.tree()
+    fsize, ftokens, fparents = g.last_forward()
+    parts = [size, fsize, tokens, parents, logp, ftokens, fparents]
+    if with_dists:
+        parts += [dist_t.flatten(), dist_p.flatten()]
+    flat = torch.cat([t.double().flatten() for t in parts]).cpu().numpy()
+    B, N = g.shape.budget, g.shape.nodes
+    n, fn = int(flat[0]), int(flat[1])
+    at = 2
+    tokens = flat[at:at + n].astype("int64").tolist()
+    parents = flat[at + B:at + B + n].astype("int64").tolist()
+    logp = tuple(flat[at + 2 * B:at + 2 * B + n].tolist())
+    at += 3 * B
+    forwarded = TokenTree(tuple(flat[at:at + fn].astype("int64").tolist()),
+                          tuple(flat[at + N:at + N + fn].astype("int64").tolist()))
+    tree = TokenTree(tuple(tokens), tuple(parents))
+    # a node reports its distribution only when it has children in the final tree
+    has_kids = set(parents[1:])
+    if not with_dists or not has_kids:
+        return Draft(tree, logp), forwarded
+    at += 2 * N
+    m = dist_t.shape[1]
+    dt = flat[at:at + B * m].reshape(B, m).astype("int64")
+    dp = flat[at + B * m:at + 2 * B * m].reshape(B, m)
+    dists = []
+    for i in range(n):
+        if i not in has_kids:
+            dists.append(None)
+            continue
+        keep = dp[i] > 0.0
+        dists.append(SparseDist(tuple(dt[i][keep].tolist()), tuple(dp[i][keep].tolist()), 0.0))
+    return Draft(TokenTree(tree.tokens, tree.parents, tuple(dists)), logp), forwarded
 
 
 def matching_path(tree: TokenTree, tokens: Sequence[int]) -> list[int]:

@@ -2,7 +2,8 @@
 
 The tree we want holds the `budget` most probable nodes (path probability under the draft model,
 depth at most `depth`). A path's probability never exceeds its prefix's, so that set is a tree.
-It is found level by level with one batched draft forward per level:
+It is found level by level with one batched draft forward per level (on the device, as
+`drafter_service.growth`, when the draft state's model grows trees; otherwise on the host, below):
 
 1. The selection starts as the root alone; the frontier is the root.
 2. One forward pass over the selected tree gives the next-token distribution of every frontier
@@ -35,19 +36,30 @@ class DynamicProposer:
     uses_model = True
 
     def propose(self, state: DraftState, root: int, budget: int, depth: int) -> Draft:
+        if depth < 1 or budget < 2:
+            return NodeSet(root).draft([0], False)
+        if state.can_grow(budget, depth):
+            return state.grow(root, budget, depth)
+        return self.propose_on_host(state, root, budget, depth)
+
+    def propose_on_host(self, state: DraftState, root: int, budget: int, depth: int) -> Draft:
+        """The loop level by level on the host: the plain twin of `drafter_service.growth`, and the
+        path for draft states without a model that grows trees (budgets past the node buckets)."""
         ns = NodeSet(root)
         selected, frontier = [0], [0] if depth > 0 and budget > 1 else []
+        k, level = budget - 1, 0
         while frontier:
             tree, local = ns.tree(selected)
-            kids = state.expand(tree, [local[n] for n in frontier], frontier, budget - 1)
-            for nid, cand in zip(frontier, kids):
-                ns.add_children(nid, cand)
+            kids = state.expand(tree, [local[n] for n in frontier], [ns.nodes[n].key for n in frontier], k)
+            for f, (nid, cand) in enumerate(zip(frontier, kids)):
+                ns.add_children(nid, cand, first_key=1 + level * k * k + f * k)
             selected = best(ns, budget)
             frontier = [n for n in selected if n not in ns.expanded and ns.nodes[n].depth < depth]
+            level += 1
         return ns.draft(selected, state.picker.reports_dists)
 
 
 def best(ns: NodeSet, budget: int) -> list[int]:
     """Ids of the `budget` best nodes by score (ties: shallower first, then older)."""
-    ranked = sorted(ns.nodes, key=lambda n: (-n.score, n.depth, n.id))
+    ranked = sorted(ns.nodes, key=lambda n: (-n.score, n.depth, n.key))
     return sorted(n.id for n in ranked[:budget])

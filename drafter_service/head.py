@@ -61,6 +61,10 @@ class DraftHead:
                 hidden = hidden[torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)]
         return self._logits(hidden, self.weight)
 
+    def logits_at(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """hidden (T, d_model), rows (n,) int64 on the device -> (n, K) fp32 logits (no host sync)."""
+        return self._logits(hidden[rows], self.weight)
+
     def to_tokens(self, columns: torch.Tensor) -> torch.Tensor:
         """Token ids (int64) of column indices, any shape, on the device."""
         return columns.long() if self.ids is None else self.ids[columns.long()]

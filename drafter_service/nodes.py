@@ -26,6 +26,9 @@ class Node:
     # ranking key: the parent's plus `rank_logq` (logp itself, unless the children were drawn),
     # non-increasing along each parent's draw order
     score: float
+    # the node's place in the fixed candidate table of `drafter_service.growth` (0 for the root):
+    # it keys the noise of the node's own draws, so the host loop and the device loop draw alike
+    key: int = 0
 
 
 class NodeSet:
@@ -37,8 +40,9 @@ class NodeSet:
     def __len__(self) -> int:
         return len(self.nodes)
 
-    def add_children(self, parent: int, children: Children, count: int | None = None) -> list[int]:
+    def add_children(self, parent: int, children: Children, count: int | None = None, first_key: int = 0) -> list[int]:
         """Create nodes for the first `count` candidates (all when None) of `parent`; returns ids.
+        The k-th candidate's key is `first_key + k`.
 
         A child's score is its parent's plus `rank_logq` of its place among the candidates, capped
         by its earlier sibling's, so ranking by score never prefers a later draw over an earlier
@@ -48,10 +52,10 @@ class NodeSet:
         if children.dist is not None:
             self.dists[parent] = children.dist
         ids, cap = [], math.inf
-        for tok, lq, rank_lq in list(zip(children.tokens, children.logq, rank_logq(children)))[:count]:
+        for k, (tok, lq, rank_lq) in enumerate(list(zip(children.tokens, children.logq, rank_logq(children)))[:count]):
             logp = p.logp + lq
             cap = min(cap, p.score + rank_lq)
-            node = Node(len(self.nodes), parent, int(tok), p.depth + 1, logp, cap)
+            node = Node(len(self.nodes), parent, int(tok), p.depth + 1, logp, cap, first_key + k)
             self.nodes.append(node)
             ids.append(node.id)
         return ids
@@ -81,14 +85,11 @@ class NodeSet:
 def rank_logq(children: Children) -> tuple[float, ...]:
     """The log-probability each candidate is ranked by: its own for top-k children (greedy, ranked),
     and for the k-th of children drawn from q (multi-draft sampling) the k-th largest probability
-    of q, whichever token the draw gave.
+    of q, whichever token the draw gave (the picker computes it: `ChildPicker.pick_tensors`).
 
     Multi-draft acceptance is exact only if whether a node gets its k-th drawn child depends on
     nothing but what came before that draw (its ancestors, its earlier-drawn siblings and their
     subtrees), never on the token the draw gave. Ranking a draw by its own q would keep
     high-probability draws more often than q draws them, and the verifier's output would drift
     from the target's distribution towards the draft's."""
-    if children.dist is None:
-        return children.logq
-    largest = sorted((p for p in children.dist.probs if p > 0.0), reverse=True)
-    return tuple(math.log(p) for p in largest[: len(children.tokens)])
+    return children.logq if children.rank is None else children.rank

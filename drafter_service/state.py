@@ -10,8 +10,9 @@ the same calls ends up bit-identical (draft-ahead depends on it).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
@@ -20,6 +21,9 @@ from drafter_service.children import ChildPicker, Children
 from drafter_service.draftlm import DraftModel, Verified
 from treeserve.sampling import Sampling
 from treeserve.tree import TokenTree
+
+if TYPE_CHECKING:
+    from drafter_service.proposer import Draft
 
 
 class Abandoned(Exception):
@@ -103,6 +107,18 @@ class DraftState:
         logits, self.verified = self.model.verify(self.slot, tree, rows)
         return logits
 
+    def can_grow(self, budget: int, depth: int) -> bool:
+        """Whether `grow` takes a tree of this budget and depth (`DraftModel.can_grow`)."""
+        return self.model is not None and self.picker is not None and self.model.can_grow(budget, depth, self.picker)
+
+    def grow(self, root: int, budget: int, depth: int) -> "Draft":
+        """A dynamic tree grown on the model's device (`DraftModel.grow`); leaves the slot ready to
+        commit any path of the last level's tree without a forward pass."""
+        self._still_wanted()
+        self.verified = None  # as in `logits`: the last verification is let go first
+        draft, self.verified = self.model.grow(self.slot, root, budget, depth, self.picker, self._still_wanted)
+        return draft
+
     def prepare(self, tree: TokenTree) -> None:
         """The forward over `tree` for its commits only (no logits are computed)."""
         self.logits(tree, ())
@@ -114,12 +130,18 @@ class DraftState:
         if not nodes:
             self.prepare(tree)
             return []
-        return self.picker.pick(self.logits(tree, nodes), k, self.length, salts)
+        with self._exclusive():
+            return self.picker.pick(self.logits(tree, nodes), k, self.length, salts)
 
     def node_probs(self, tree: TokenTree) -> torch.Tensor:
         """(N, K) ranking probabilities over the head's columns at every node of `tree`
         (draft-ahead's outcome prediction); leaves the slot ready to commit any path of `tree`."""
-        return self.picker.ranking_probs(self.logits(tree))
+        with self._exclusive():
+            return self.picker.ranking_probs(self.logits(tree))
+
+    def _exclusive(self):
+        # the picker's device ops must not run beside another thread's graph capture
+        return self.model.exclusive() if self.model is not None else contextlib.nullcontext()
 
     # ---- keeping in step ----------------------------------------------------------------------
     def advance(self, tokens: Sequence[int]) -> None:

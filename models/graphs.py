@@ -212,6 +212,24 @@ class GraphRunner:
                 if (Bb, Nb) not in self._verify and Bb * Nb <= self.stash.rows:
                     self._capture_verify(Bb, Nb)
 
+    # ---- the shared stash, for forwards captured outside this runner ----------------------------
+    def release_stash(self) -> None:
+        """Before a replay that writes the shared stash: the handles given out last keep their rows."""
+        self._release_stash()
+
+    def hand_out_stash(self) -> VerifyStash:
+        """The shared stash as the handles of the forward just replayed will hold it."""
+        view = _StashView(self.stash)
+        self._handed_out = weakref.ref(view)
+        return view
+
+    def capture_program(self, program, what: str):
+        """A graph of `program()` (no inputs but the static tensors it reads) in this runner's
+        pool, or its eager stand-in when the runner does not capture; None if the capture failed.
+        Its first run (a warm-up) happens here."""
+        self._release_stash()
+        return self._try_capture(torch.zeros(1, dtype=torch.int64), lambda meta: program(), what)
+
     # ---- capture ------------------------------------------------------------------------------
     def _release_stash(self) -> None:
         """Give the last handed-out stash its own copy if a handle of it may still commit."""

@@ -95,21 +95,33 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _hash(seed: int, positions: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
-    """int64 hash of (seed, position, stream, index); positions and index broadcast."""
-    key = _mix(torch.full_like(positions, _signed(seed * 4 + stream)) + _GOLDEN)
+def stream_key(seed: int, stream: int) -> int:
+    """The int64 key of one (seed, stream) pair: what `uniforms_keyed` takes, so that a caller
+    can keep it in a device tensor (a CUDA graph then draws with any seed without a new capture)."""
+    return _signed(seed * 4 + stream)
+
+
+def _hash(key: torch.Tensor | int, positions: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """int64 hash of (stream key, position, index); the key (an int or a 0-d/1-element int64
+    tensor), positions and index broadcast."""
+    key = _mix(torch.zeros_like(positions) + key + _GOLDEN)
     x = _mix(key ^ (positions * _GOLDEN))
     return _mix(x + index * _M1)
 
 
-def uniforms(seed: int, positions: torch.Tensor, stream: int, index: torch.Tensor | int = 0) -> torch.Tensor:
-    """Uniform floats in (0, 1), shape of `positions` broadcast with `index` (both int64)."""
+def uniforms_keyed(key: torch.Tensor | int, positions: torch.Tensor, index: torch.Tensor | int = 0) -> torch.Tensor:
+    """`uniforms` for the stream key `stream_key(seed, stream)`, given as an int or an int64 tensor."""
     positions = positions.long()
     if not isinstance(index, torch.Tensor):
         index = torch.full_like(positions, int(index))
-    h = _hash(seed, positions, stream, index.long())
+    h = _hash(key, positions, index.long())
     top24 = (h >> 40) & ((1 << 24) - 1)
     return (top24.double() + 0.5) / float(1 << 24)
+
+
+def uniforms(seed: int, positions: torch.Tensor, stream: int, index: torch.Tensor | int = 0) -> torch.Tensor:
+    """Uniform floats in (0, 1), shape of `positions` broadcast with `index` (both int64)."""
+    return uniforms_keyed(stream_key(seed, stream), positions, index)
 
 
 def gumbel(seed: int, positions: torch.Tensor, vocab: int, stream: int) -> torch.Tensor:

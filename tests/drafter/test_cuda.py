@@ -97,3 +97,31 @@ def test_trimmed_graphed_self_drafting_gives_the_targets_greedy_output(tiny_pair
         d.close()
     assert out == greedy_reference(target, prompt, 40)
     assert forwards < 32 and not model.lm.graphs.failures
+
+
+@pytest.mark.parametrize("rule", ["greedy", "ranked", "drawn"])
+def test_trees_grown_in_graphs_equal_the_host_loop(pair, demo_prompt, rule):
+    """Dynamic trees grown by graph replays (`drafter_service.growth`) are the host loop's trees."""
+    from drafter_service.children import ChildPicker, PickRule
+    from drafter_service.dynamic import DynamicProposer
+    from drafter_service.state import DraftState
+    from treeserve.sampling import Sampling
+
+    graphed = pair[1]
+    s = {"greedy": Sampling(), "ranked": Sampling(temperature=0.7, top_k=50, seed=3),
+         "drawn": Sampling(temperature=1.0, seed=4)}[rule]
+    picker = ChildPicker(s, PickRule(rule))
+    state = DraftState.open("g", demo_prompt[:-8], s, picker, graphed)
+    proposer = DynamicProposer()
+    try:
+        for budget, depth in [(4, 3), (16, 6), (32, 6), (64, 8)]:
+            for root in demo_prompt[-8:-4]:
+                grown = proposer.propose(state, root, budget, depth)
+                plain = proposer.propose_on_host(state, root, budget, depth)
+                assert (grown.tree.tokens, grown.tree.parents) == (plain.tree.tokens, plain.tree.parents)
+                assert grown.logp == pytest.approx(plain.logp, abs=1e-4)
+                state.advance([root])
+    finally:
+        state.release()
+    assert not graphed.lm.graphs.failures, graphed.lm.graphs.failures
+    assert all(type(steps).__name__ == "_GraphSteps" for _, steps in graphed._growths.values())

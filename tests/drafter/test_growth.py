@@ -1,0 +1,184 @@
+"""Dynamic trees grown on the device (`drafter_service.growth`, run eagerly here) against their
+plain twin, the host loop of `DynamicProposer.propose_on_host`: the same tree, path
+log-probabilities and reported distributions, for every pick rule and many budgets and depths."""
+import pytest
+
+from drafter_service.children import ChildPicker, PickRule
+from drafter_service.dynamic import DynamicProposer
+from drafter_service.state import DraftState
+from treeserve.sampling import Sampling
+
+RULES = [
+    (Sampling(), PickRule.GREEDY),
+    (Sampling(temperature=0.8, top_k=40, top_p=0.9, seed=5), PickRule.RANKED),
+    (Sampling(temperature=1.0, seed=11), PickRule.DRAWN),
+    (Sampling(temperature=0.6, top_p=0.8, seed=12), PickRule.DRAWN),
+]
+
+
+@pytest.mark.parametrize("sampling,rule", RULES, ids=["greedy", "ranked", "drawn", "drawn-top-p"])
+@pytest.mark.parametrize("budget,depth", [(2, 1), (3, 2), (4, 6), (8, 3), (13, 4), (16, 6), (32, 2)])
+def test_grown_tree_equals_host_loop(draft_model, prompt, sampling, rule, budget, depth):
+    picker = ChildPicker(sampling, rule)
+    proposer = DynamicProposer()
+    state = DraftState.open("g", prompt[:-3], sampling, picker, draft_model)
+    try:
+        assert state.can_grow(budget, depth)
+        for root in prompt[-3:]:
+            grown = proposer.propose(state, root, budget, depth)
+            assert state.verified is not None and state.verified.tree.size <= budget
+            plain = proposer.propose_on_host(state, root, budget, depth)
+            assert grown.tree.tokens == plain.tree.tokens
+            assert grown.tree.parents == plain.tree.parents
+            assert grown.logp == pytest.approx(plain.logp, abs=1e-5)
+            assert (grown.tree.draft is None) == (plain.tree.draft is None)
+            for g, h in zip(grown.tree.draft or (), plain.tree.draft or ()):
+                assert (g is None) == (h is None)
+                if g is not None:  # the two forwards pad the tree differently: rounding apart
+                    assert g.tokens == h.tokens and g.probs == pytest.approx(h.probs, rel=1e-4, abs=1e-7)
+            assert max(grown.tree.depths()) <= depth and grown.tree.size <= budget
+            state.advance([root])  # the next root sits one token further on
+    finally:
+        state.release()
+
+
+def test_grown_tree_commits_its_last_level(draft_model, prompt):
+    """After growing, a path of the last level's tree is committed without a forward pass, and the
+    state then equals one that decoded those tokens one by one."""
+    s = Sampling()
+    picker = ChildPicker(s, PickRule.GREEDY)
+    grown_state = DraftState.open("a", prompt[:-1], s, picker, draft_model)
+    plain_state = DraftState.open("b", prompt[:-1], s, picker, draft_model)
+    try:
+        DynamicProposer().propose(grown_state, prompt[-1], 12, 4)
+        forwarded = grown_state.verified.tree
+        path = [0]
+        while forwarded.children(path[-1]):
+            path.append(forwarded.children(path[-1])[-1])
+        tokens = list(forwarded.tokens_along(path))
+        assert len(tokens) > 1
+        grown_state.advance(tokens)
+        for t in tokens:
+            plain_state.advance([t])
+        a = draft_model.verify(grown_state.slot, _one(7))[0]
+        b = draft_model.verify(plain_state.slot, _one(7))[0]
+        assert (a - b).abs().max() < 1e-4
+    finally:
+        grown_state.release()
+        plain_state.release()
+
+
+def _one(token):
+    from treeserve.tree import TokenTree
+
+    return TokenTree((token,), (-1,))
+
+
+class TableDraft(DraftState):
+    """A draft state whose logits at a node are a table's row for the node's token."""
+
+    def __init__(self, sampling, picker, length, table):
+        from drafter_service.state import TokenHistory
+
+        super().__init__("t", sampling, TokenHistory(()), picker)
+        self._length, self._table = length, table
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def logits(self, tree, nodes=None):
+        rows = range(tree.size) if nodes is None else nodes
+        return self._table[[tree.tokens[i] for i in rows]]
+
+
+# a bigram draft over 5 tokens whose rows repeat probabilities: candidates tie on score, so the
+# tie rule (shallower first, then older) decides the selection
+TIES = [[0.25, 0.25, 0.25, 0.25, 0.0],
+        [0.5, 0.25, 0.25, 0.0, 0.0],
+        [0.25, 0.25, 0.25, 0.25, 0.0],
+        [0.5, 0.5, 0.0, 0.0, 0.0],
+        [0.2, 0.2, 0.2, 0.2, 0.2]]
+
+
+@pytest.mark.parametrize("sampling,rule", [RULES[0], (Sampling(temperature=1.0, seed=2), PickRule.DRAWN)],
+                         ids=["greedy", "drawn"])
+@pytest.mark.parametrize("budget,depth", [(3, 2), (6, 3), (9, 4), (14, 5)])
+def test_growth_breaks_ties_as_the_host_loop(sampling, rule, budget, depth):
+    import torch
+
+    from drafter_service.draftlm import _read_growth
+    from drafter_service.growth import Growth, Shape
+    from treeserve.sampling import STREAM_DRAFT, stream_key
+
+    table = torch.log(torch.tensor(TIES, dtype=torch.float64)).float()
+    picker = ChildPicker(sampling, rule)
+
+    def forward(tokens, positions, parents, rows):
+        return table[tokens[rows]]
+
+    for root in range(5):
+        for length in (0, 17):
+            state = TableDraft(sampling, picker, length, table)
+            plain = DynamicProposer().propose_on_host(state, root, budget, depth)
+            g = Growth(Shape(budget, depth, 16, min(picker.support, 5) if picker.reports_dists else 0), picker,
+                       forward, torch.device("cpu"))
+            g.inputs.copy_(torch.tensor([root, length, 0, stream_key(sampling.seed, STREAM_DRAFT)]))
+            g.reset()
+            for _ in range(depth):
+                g.level()
+                if int(g.frontier_count) == 0:
+                    break
+            grown, _ = _read_growth(g, picker.reports_dists)
+            assert (grown.tree.tokens, grown.tree.parents) == (plain.tree.tokens, plain.tree.parents)
+            assert grown.logp == pytest.approx(plain.logp, abs=1e-9)
+            assert grown.tree.draft == plain.tree.draft
+
+
+def test_which_trees_grow_on_the_device(draft_model, monkeypatch):
+    """Trees of one node or no depth never grow; with captured graphs, only the first MAX_GROWTHS
+    shapes do (later ones take the host loop instead of capturing again)."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from drafter_service import draftlm
+
+    picker = ChildPicker(Sampling(), PickRule.GREEDY)
+    assert not draft_model.can_grow(1, 4, picker) and not draft_model.can_grow(8, 0, picker)
+    assert draft_model.can_grow(8, 4, picker)
+    full = OrderedDict(((b, "x"), None) for b in range(draftlm.MAX_GROWTHS))
+    monkeypatch.setattr(draft_model, "_growths", full)
+    assert draft_model.can_grow(8, 4, picker)  # eager: the least recently used table makes room
+    monkeypatch.setattr(draft_model.lm, "graphs", SimpleNamespace(capture=True))
+    assert not draft_model.can_grow(8, 4, picker)
+    full[draftlm._growth_key(8, 4, picker)] = None
+    assert draft_model.can_grow(8, 4, picker) and not draft_model.can_grow(8, 6, picker)
+    full[draftlm._growth_key(8, 7, picker)] = None
+    assert draft_model.can_grow(8, 9, picker)  # no path of an 8-node tree is longer than 7
+
+
+def test_graph_runner_taken_up_after_growing(tiny_pair, prompt):
+    """Growth tables built before `use_graphs` wrote the model's own stash: they are dropped, so a
+    later tree's commit reads the stash its forward wrote."""
+    from drafter_service.draftlm import DraftModel
+
+    model = DraftModel.load(str(tiny_pair[1]), max_slots=8, max_len=1024)
+    s = Sampling()
+    picker = ChildPicker(s, PickRule.GREEDY)
+    grown_state = DraftState.open("a", prompt[:-2], s, picker, model)
+    plain_state = DraftState.open("b", prompt[:-2], s, picker, model)
+    try:
+        DynamicProposer().propose(grown_state, prompt[-2], 6, 3)
+        model.use_graphs(capture=False)
+        DynamicProposer().propose(grown_state, prompt[-2], 6, 3)
+        forwarded = grown_state.verified.tree
+        path = [0, forwarded.children(0)[0]]
+        tokens = list(forwarded.tokens_along(path))
+        grown_state.advance(tokens)
+        plain_state.advance(tokens)
+        a = model.verify(grown_state.slot, _one(7))[0]
+        b = model.verify(plain_state.slot, _one(7))[0]
+        assert (a - b).abs().max() < 1e-4
+    finally:
+        grown_state.release()
+        plain_state.release()

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from drafter_service.children import ChildPicker, PickRule
+from drafter_service.children import ChildPicker
 
 # Largest candidate table grown on the device (about 60 bytes a candidate); larger trees (a deep
 # limit on a large budget) take the host loop.
@@ -214,7 +214,3 @@ class Growth:
         """The tree of the last level's forward: (size (1,), tokens (N,), local parents (N,))."""
         N = self.shape.nodes
         return self.fwd_size, self.fwd_tokens[:N], self.fwd_parents[:N]
-
-
-def uses_dists(picker: ChildPicker) -> bool:
-    return picker.rule is PickRule.DRAWN

@@ -67,9 +67,13 @@ class Growth:
     """The candidate table of one run and its level step, for one `Shape` on one device.
 
     `reset` starts a run from `inputs` (root, committed length, slot, stream key), which the caller
-    fills with one copy; `level` runs one level and leaves the frontier's size in `frontier_count`; `tree`
-    and `last_forward` read the result. `level` launches only device work whose shapes depend on
-    the `Shape` alone, so it can be captured once and replayed for every run of that shape."""
+    fills with one copy; `level` runs one level and leaves the frontier's size in `frontier_count`;
+    `tree` and `last_forward` read the result. `level` launches only device work whose shapes
+    depend on the `Shape` alone, so it can be captured once and replayed for every run of it.
+
+    Tables (C = capacity, E = expansions, N = nodes, m = support): token, parent (key, -1 for the
+    root), depth, expansion (C + 1,) int64; logp, score (C + 1,) float64; expanded, selected
+    (C + 1,) bool; dist_tokens (E + 1, m) int64, dist_probs (E + 1, m) float32."""
 
     def __init__(self, shape: Shape, picker: ChildPicker, forward: Forward, device: torch.device):
         if shape.budget < 2 or shape.depth < 1 or shape.nodes < shape.budget:

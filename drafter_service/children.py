@@ -181,7 +181,7 @@ class Picked:
     the distribution drawn from, dist_tokens (n, m) int64 and dist_probs (n, m) float32 (largest
     first, zero-padded), and draw_order (n, k') int64, the columns drawn, in draw order. Either way
     `tokens`, `probs` (0: no child), `rank_probs` (what the tree ranks a child by,
-    `nodes.rank_logq`) and their logs are (n, k'), derived on first use (the host path reads the
+    `nodes.rank_logq`) and its log are (n, k'), derived on first use (the host path reads the
     fields it needs and launches nothing more)."""
 
     top_tokens: torch.Tensor | None = None
@@ -204,24 +204,9 @@ class Picked:
         return self.top_probs if self.draw_order is None else self.dist_probs[:, : self.draw_order.shape[1]]
 
     @property
-    def logq(self) -> torch.Tensor:
-        """(n, k') float64."""
-        return _log(self.probs)
-
-    @property
     def rank_logq(self) -> torch.Tensor:
         """(n, k') float64."""
-        return _log(self.rank_probs)
-
-    @property
-    def valid(self) -> torch.Tensor:
-        """(n, k') bool: the candidate is a child."""
-        return self.probs > 0
-
-
-def _log(probs: torch.Tensor) -> torch.Tensor:
-    """float64 log of float32 probabilities."""
-    return torch.log(probs.double())
+        return torch.log(self.rank_probs.double())
 
 
 def _to_host(*tensors: torch.Tensor):

@@ -36,7 +36,7 @@ from drafter_service.vocab import TrimmedVocab
 from models.graphs import CAPTURE_LOCK
 from treeserve import sampling
 from treeserve.errors import InvalidArgument, ResourceExhausted
-from treeserve.tree import SparseDist, TokenTree
+from treeserve.tree import TokenTree
 
 # Most growth tables a draft model keeps, one per (budget, depth, pick rule, sampling transform).
 # With CUDA graphs the first MAX_GROWTHS shapes get graphs for the model's life and later shapes take
@@ -241,17 +241,16 @@ class DraftModel:
                 step.level()
                 if int(growth.frontier_count.item()) == 0:
                     break
-            draft, forwarded = _read_growth(growth, picker.reports_dists)
+            draft, forwarded = growth.read(picker.reports_dists)
             stash = runner.hand_out_stash() if runner is not None else self._stash
             pending = Pending(slot, self.lm.pool.version(slot), length, forwarded.parents, stash, 0)
             stash.attach([pending])
             return draft, Verified(forwarded, pending)
 
     def _node_bucket(self, budget: int) -> int | None:
-        from models.graphs import NODE_BUCKETS
+        from models.graphs import tree_buckets
 
-        pool = self.lm.pool
-        fits = [n for n in NODE_BUCKETS if budget <= n <= pool.capacity - pool.max_len]
+        fits = [n for n in tree_buckets(self.lm.pool) if budget <= n]
         return min(fits) if fits else None
 
     def _growth(self, budget: int, depth: int, picker: ChildPicker):
@@ -363,42 +362,6 @@ class _EagerSteps:
 class _GraphSteps:
     def __init__(self, reset, level):
         self.reset, self.level = reset.replay, level.replay
-
-
-def _read_growth(g: "growth_mod.Growth", with_dists: bool) -> tuple[Draft, TokenTree]:
-    """The grown tree and the last forward's tree, brought to the host in one transfer."""
-    size, tokens, parents, logp, _, dist_t, dist_p = g.tree()
-    fsize, ftokens, fparents = g.last_forward()
-    parts = [size, fsize, tokens, parents, logp, ftokens, fparents]
-    if with_dists:
-        parts += [dist_t.flatten(), dist_p.flatten()]
-    flat = torch.cat([t.double().flatten() for t in parts]).cpu().numpy()
-    B, N = g.shape.budget, g.shape.nodes
-    n, fn = int(flat[0]), int(flat[1])
-    at = 2
-    tokens = flat[at:at + n].astype("int64").tolist()
-    parents = flat[at + B:at + B + n].astype("int64").tolist()
-    logp = tuple(flat[at + 2 * B:at + 2 * B + n].tolist())
-    at += 3 * B
-    forwarded = TokenTree(tuple(flat[at:at + fn].astype("int64").tolist()),
-                          tuple(flat[at + N:at + N + fn].astype("int64").tolist()))
-    tree = TokenTree(tuple(tokens), tuple(parents))
-    # a node reports its distribution only when it has children in the final tree
-    has_kids = set(parents[1:])
-    if not with_dists or not has_kids:
-        return Draft(tree, logp), forwarded
-    at += 2 * N
-    m = dist_t.shape[1]
-    dt = flat[at:at + B * m].reshape(B, m).astype("int64")
-    dp = flat[at + B * m:at + 2 * B * m].reshape(B, m)
-    dists = []
-    for i in range(n):
-        if i not in has_kids:
-            dists.append(None)
-            continue
-        keep = dp[i] > 0.0
-        dists.append(SparseDist(tuple(dt[i][keep].tolist()), tuple(dp[i][keep].tolist()), 0.0))
-    return Draft(TokenTree(tree.tokens, tree.parents, tuple(dists)), logp), forwarded
 
 
 def matching_path(tree: TokenTree, tokens: Sequence[int]) -> list[int]:

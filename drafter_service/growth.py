@@ -31,6 +31,8 @@ from typing import Callable
 import torch
 
 from drafter_service.children import ChildPicker
+from drafter_service.proposer import Draft
+from treeserve.tree import SparseDist, TokenTree
 
 # Largest candidate table grown on the device (about 60 bytes a candidate); larger trees (a deep
 # limit on a large budget) take the host loop.
@@ -68,7 +70,7 @@ class Growth:
 
     `reset` starts a run from `inputs` (root, committed length, slot, stream key), which the caller
     fills with one copy; `level` runs one level and leaves the frontier's size in `frontier_count`;
-    `tree` and `last_forward` read the result. `level` launches only device work whose shapes
+    `read` brings the result to the host. `level` launches only device work whose shapes
     depend on the `Shape` alone, so it can be captured once and replayed for every run of it.
 
     Tables (C = capacity, E = expansions, N = nodes, m = support): token, parent (key, -1 for the
@@ -138,10 +140,9 @@ class Growth:
         C, N, K = sh.capacity, sh.nodes, sh.k
         sel = self.selected[:C]
         dep = self.depth[:C]
-        front = sel & ~self.expanded[:C] & (dep < sh.depth)
+        front = self._frontier()
         # 1. the selected nodes in key order are the forward's tree
-        local = torch.cumsum(sel.long(), 0) - 1
-        where = torch.where(sel, local, N)
+        local, where = _places(sel, N)
         self.fwd_tokens.zero_()
         self.fwd_parents.zero_()
         self.fwd_depth.fill_(1)
@@ -151,7 +152,7 @@ class Growth:
         self.fwd_depth[where] = dep
         self.fwd_size.copy_(sel.sum().reshape(1))
         # 2. the frontier's rows and keys, in key order (rows past its size stand on the root)
-        place = torch.where(front, torch.cumsum(front.long(), 0) - 1, K)
+        _, place = _places(front, K)
         rows = torch.zeros(K + 1, dtype=torch.int64, device=sel.device)
         rows[place] = local
         fkey = torch.zeros(K + 1, dtype=torch.int64, device=sel.device)
@@ -191,30 +192,56 @@ class Growth:
         best = torch.sort(self.score[:C], descending=True, stable=True).indices[: sh.budget]
         self.selected.zero_()
         self.selected[best] = self.score[best] > -math.inf
-        sel = self.selected[:C]
-        self.frontier_count.copy_((sel & ~self.expanded[:C] & (dep < sh.depth)).sum().reshape(1))
+        self.frontier_count.copy_(self._frontier().sum().reshape(1))
         self.level_index += 1
 
+    def _frontier(self) -> torch.Tensor:
+        """(C,) bool: selected, not yet expanded, above the depth limit."""
+        C = self.shape.capacity
+        return self.selected[:C] & ~self.expanded[:C] & (self.depth[:C] < self.shape.depth)
+
     # ---- results --------------------------------------------------------------------------------
-    def tree(self) -> tuple[torch.Tensor, ...]:
-        """The selected tree on the device, B rows in key order (rows past its size are padding):
-        (size (1,), tokens (B,), local parents (B,), logp (B,) float64, has a distribution (B,) bool,
-        dist_tokens (B, m), dist_probs (B, m))."""
+    def read(self, with_dists: bool) -> tuple[Draft, TokenTree]:
+        """The grown tree (with the distributions its drawn nodes were drawn from, if asked) and the
+        last level's forward tree, brought to the host in one transfer."""
         sh = self.shape
-        C, B = sh.capacity, sh.budget
+        C, B, N = sh.capacity, sh.budget, sh.nodes
         sel = self.selected[:C]
-        local = torch.cumsum(sel.long(), 0) - 1
-        where = torch.where(sel, local, B)
+        local, where = _places(sel, B)
         keys = torch.zeros(B + 1, dtype=torch.int64, device=sel.device)
         keys[where] = self.keys[:C]
-        keys = keys[:B]
+        keys = keys[:B]  # the selected keys in order, then the root again as padding
         par = self.parent[keys]
         parents = torch.where(par >= 0, local[par.clamp(min=0)], -1)
-        e = self.expansion[keys]
-        return (sel.sum().reshape(1), self.token[keys], parents, self.logp[keys], self.expanded[keys],
-                self.dist_tokens[e], self.dist_probs[e])
+        parts = [sel.sum().reshape(1), self.fwd_size, self.token[keys], parents, self.logp[keys],
+                 self.fwd_tokens[:N], self.fwd_parents[:N]]
+        if with_dists:
+            e = self.expansion[keys]
+            parts += [self.dist_tokens[e].flatten(), self.dist_probs[e].flatten()]
+        flat = torch.cat([t.double() for t in parts]).cpu().numpy()
+        n, fn = int(flat[0]), int(flat[1])
+        at = 2
+        tokens = flat[at:at + n].astype("int64").tolist()
+        parents = flat[at + B:at + B + n].astype("int64").tolist()
+        logp = tuple(flat[at + 2 * B:at + 2 * B + n].tolist())
+        at += 3 * B
+        forwarded = TokenTree(tuple(flat[at:at + fn].astype("int64").tolist()),
+                              tuple(flat[at + N:at + N + fn].astype("int64").tolist()))
+        # a node reports its distribution only when it has children in the final tree
+        has_kids = set(parents[1:])
+        if not with_dists or not has_kids:
+            return Draft(TokenTree(tuple(tokens), tuple(parents)), logp), forwarded
+        at += 2 * N
+        m = self.dist_tokens.shape[1]
+        dt = flat[at:at + B * m].reshape(B, m).astype("int64")
+        dp = flat[at + B * m:at + 2 * B * m].reshape(B, m)
+        dists = tuple(SparseDist(tuple(dt[i][dp[i] > 0].tolist()), tuple(dp[i][dp[i] > 0].tolist()), 0.0)
+                      if i in has_kids else None for i in range(n))
+        return Draft(TokenTree(tuple(tokens), tuple(parents), dists), logp), forwarded
 
-    def last_forward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The tree of the last level's forward: (size (1,), tokens (N,), local parents (N,))."""
-        N = self.shape.nodes
-        return self.fwd_size, self.fwd_tokens[:N], self.fwd_parents[:N]
+
+def _places(mask: torch.Tensor, spare: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a (C,) bool mask: each entry's rank among the set ones (C,), and the same with every
+    unset entry sent to `spare` (the row past a table's end, where writes go nowhere)."""
+    rank = torch.cumsum(mask.long(), 0) - 1
+    return rank, torch.where(mask, rank, spare)

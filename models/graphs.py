@@ -61,6 +61,11 @@ def _no_collection():
 NODE_BUCKETS = (1, 4, 8, 16, 32, 64, 128)
 
 
+def tree_buckets(pool, node_buckets=NODE_BUCKETS) -> tuple[int, ...]:
+    """The node buckets whose padded trees fit after a full sequence (the pool's tree headroom)."""
+    return tuple(n for n in node_buckets if n <= pool.capacity - pool.max_len)
+
+
 def _batch_buckets(max_slots: int) -> list[int]:
     out, b = [], 1
     while b < max_slots:
@@ -123,7 +128,7 @@ class GraphRunner:
         self.failures: list[str] = []
         pool = lm.pool
         self.batch_buckets = _batch_buckets(pool.max_slots)
-        self.node_buckets = tuple(n for n in node_buckets if n <= pool.capacity - pool.max_len)
+        self.node_buckets = tree_buckets(pool, node_buckets)
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._decode: dict[int, _Graph] = {}
         self._verify: dict[tuple[int, int], _Graph] = {}

@@ -45,23 +45,34 @@ def test_grown_tree_equals_host_loop(draft_model, prompt, sampling, rule, budget
 def test_grown_tree_commits_its_last_level(draft_model, prompt):
     """After growing, a path of the last level's tree is committed without a forward pass, and the
     state then equals one that decoded those tokens one by one."""
-    s = Sampling()
-    picker = ChildPicker(s, PickRule.GREEDY)
-    grown_state = DraftState.open("a", prompt[:-1], s, picker, draft_model)
-    plain_state = DraftState.open("b", prompt[:-1], s, picker, draft_model)
-    try:
-        DynamicProposer().propose(grown_state, prompt[-1], 12, 4)
-        forwarded = grown_state.verified.tree
+
+    def deepest_last_path(forwarded):
         path = [0]
         while forwarded.children(path[-1]):
             path.append(forwarded.children(path[-1])[-1])
-        tokens = list(forwarded.tokens_along(path))
-        assert len(tokens) > 1
+        assert len(path) > 1
+        return path
+
+    assert_commit_equals_decoding(draft_model, prompt[:-1],
+                                  lambda state: DynamicProposer().propose(state, prompt[-1], 12, 4), deepest_last_path)
+
+
+def assert_commit_equals_decoding(model, prefix, grow, choose_path):
+    """`grow(state)` on one state of `prefix`; the tokens of `choose_path(its last forward tree)` are
+    committed there and decoded one by one on a second state; both then give the same logits."""
+    s = Sampling()
+    picker = ChildPicker(s, PickRule.GREEDY)
+    grown_state = DraftState.open("a", prefix, s, picker, model)
+    plain_state = DraftState.open("b", prefix, s, picker, model)
+    try:
+        grow(grown_state)
+        forwarded = grown_state.verified.tree
+        tokens = list(forwarded.tokens_along(choose_path(forwarded)))
         grown_state.advance(tokens)
         for t in tokens:
             plain_state.advance([t])
-        a = draft_model.verify(grown_state.slot, _one(7))[0]
-        b = draft_model.verify(plain_state.slot, _one(7))[0]
+        a = model.verify(grown_state.slot, _one(7))[0]
+        b = model.verify(plain_state.slot, _one(7))[0]
         assert (a - b).abs().max() < 1e-4
     finally:
         grown_state.release()
@@ -107,7 +118,6 @@ TIES = [[0.25, 0.25, 0.25, 0.25, 0.0],
 def test_growth_breaks_ties_as_the_host_loop(sampling, rule, budget, depth):
     import torch
 
-    from drafter_service.draftlm import _read_growth
     from drafter_service.growth import Growth, Shape
     from treeserve.sampling import STREAM_DRAFT, stream_key
 
@@ -129,7 +139,7 @@ def test_growth_breaks_ties_as_the_host_loop(sampling, rule, budget, depth):
                 g.level()
                 if int(g.frontier_count) == 0:
                     break
-            grown, _ = _read_growth(g, picker.reports_dists)
+            grown, _ = g.read(picker.reports_dists)
             assert (grown.tree.tokens, grown.tree.parents) == (plain.tree.tokens, plain.tree.parents)
             assert grown.logp == pytest.approx(plain.logp, abs=1e-9)
             assert grown.tree.draft == plain.tree.draft
@@ -163,22 +173,11 @@ def test_graph_runner_taken_up_after_growing(tiny_pair, prompt):
     from drafter_service.draftlm import DraftModel
 
     model = DraftModel.load(str(tiny_pair[1]), max_slots=8, max_len=1024)
-    s = Sampling()
-    picker = ChildPicker(s, PickRule.GREEDY)
-    grown_state = DraftState.open("a", prompt[:-2], s, picker, model)
-    plain_state = DraftState.open("b", prompt[:-2], s, picker, model)
-    try:
-        DynamicProposer().propose(grown_state, prompt[-2], 6, 3)
+
+    def grow_before_and_after(state):
+        DynamicProposer().propose(state, prompt[-2], 6, 3)
         model.use_graphs(capture=False)
-        DynamicProposer().propose(grown_state, prompt[-2], 6, 3)
-        forwarded = grown_state.verified.tree
-        path = [0, forwarded.children(0)[0]]
-        tokens = list(forwarded.tokens_along(path))
-        grown_state.advance(tokens)
-        plain_state.advance(tokens)
-        a = model.verify(grown_state.slot, _one(7))[0]
-        b = model.verify(plain_state.slot, _one(7))[0]
-        assert (a - b).abs().max() < 1e-4
-    finally:
-        grown_state.release()
-        plain_state.release()
+        DynamicProposer().propose(state, prompt[-2], 6, 3)
+
+    assert_commit_equals_decoding(model, prompt[:-2], grow_before_and_after,
+                                  lambda forwarded: [0, forwarded.children(0)[0]])

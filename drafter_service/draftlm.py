@@ -33,6 +33,7 @@ from drafter_service.children import ChildPicker
 from drafter_service.head import DraftHead
 from drafter_service.proposer import Draft
 from drafter_service.vocab import TrimmedVocab
+from kernels.tree_growth import Shape as GrowthShape
 from models.graphs import CAPTURE_LOCK
 from treeserve import sampling
 from treeserve.errors import InvalidArgument, ResourceExhausted
@@ -210,7 +211,7 @@ class DraftModel:
         if budget < 2 or depth < 1 or self._node_bucket(budget) is None:
             return False
         depth = min(depth, budget - 1)
-        if growth_mod.Shape(budget, depth, budget).capacity > growth_mod.MAX_CANDIDATES:
+        if GrowthShape(budget, depth, budget).capacity > growth_mod.MAX_CANDIDATES:
             return False
         runner = self.lm.graphs
         captured = runner is not None and runner.capture
@@ -281,13 +282,14 @@ class DraftModel:
         lm, head = self.lm, self.head
         nodes = self._node_bucket(budget)
         support = min(picker.support, head.size) if picker.reports_dists else 0
-        shape = growth_mod.Shape(budget, depth, nodes, support)
+        shape = GrowthShape(budget, depth, nodes, support)
         cu = torch.tensor([0, nodes], dtype=torch.int32, device=self.device)
         runner = lm.graphs
 
         def forward(tokens, positions, parents, rows):
-            batch = Packed(tokens=tokens, parents=parents, cu_seqlens=cu, slot_idx=g.slot.to(torch.int32),
-                           cache_lens=g.committed_length.to(torch.int32), positions=positions, max_nodes=nodes,
+            given = g.tables.inputs32  # root, committed length, slot
+            batch = Packed(tokens=tokens, parents=parents, cu_seqlens=cu, slot_idx=given[2:3],
+                           cache_lens=given[1:2], positions=positions, max_nodes=nodes,
                            sizes=[nodes], slots=[], lens=[])
             stash = runner.stash if runner is not None else self._stash
             return head.logits_at(lm.hidden("verify", batch, stash), rows)

@@ -34,6 +34,7 @@ _HOME = {
     "project_tree_conv": "kernels.proj_conv",
     "rope_qk": "kernels.rope",
     "silu_mul": "kernels.silu_mul",
+    "grow_level": "kernels.tree_growth",
 }
 
 
@@ -85,3 +86,4 @@ few_rows_linear = _dispatcher("few_rows_linear")
 project_tree_conv = _dispatcher("project_tree_conv")
 rope_qk = _dispatcher("rope_qk")
 silu_mul = _dispatcher("silu_mul")
+grow_level = _dispatcher("grow_level")

@@ -116,9 +116,25 @@ TIES = [[0.25, 0.25, 0.25, 0.25, 0.0],
                          ids=["greedy", "drawn"])
 @pytest.mark.parametrize("budget,depth", [(3, 2), (6, 3), (9, 4), (14, 5)])
 def test_growth_breaks_ties_as_the_host_loop(sampling, rule, budget, depth):
+    assert_ties_broken_as_the_host_loop(sampling, rule, budget, depth, roots=range(5), lengths=(0, 17))
+
+
+@pytest.mark.parametrize("sampling,rule", [RULES[0], (Sampling(temperature=1.0, seed=2), PickRule.DRAWN)],
+                         ids=["greedy", "drawn"])
+@pytest.mark.parametrize("budget,depth", [(6, 3), (14, 5)])
+def test_growth_kernel_breaks_ties_as_the_host_loop(sampling, rule, budget, depth, monkeypatch):
+    """The same with the level's Triton kernel (interpreted here) in place of its twin."""
+    from kernels import ops, tree_growth
+
+    monkeypatch.setattr(ops, "grow_level", tree_growth.grow_level)
+    assert_ties_broken_as_the_host_loop(sampling, rule, budget, depth, roots=(0, 3), lengths=(17,))
+
+
+def assert_ties_broken_as_the_host_loop(sampling, rule, budget, depth, roots, lengths):
     import torch
 
-    from drafter_service.growth import Growth, Shape
+    from drafter_service.growth import Growth
+    from kernels.tree_growth import Shape
     from treeserve.sampling import STREAM_DRAFT, stream_key
 
     table = torch.log(torch.tensor(TIES, dtype=torch.float64)).float()
@@ -127,8 +143,8 @@ def test_growth_breaks_ties_as_the_host_loop(sampling, rule, budget, depth):
     def forward(tokens, positions, parents, rows):
         return table[tokens[rows]]
 
-    for root in range(5):
-        for length in (0, 17):
+    for root in roots:
+        for length in lengths:
             state = TableDraft(sampling, picker, length, table)
             plain = DynamicProposer().propose_on_host(state, root, budget, depth)
             g = Growth(Shape(budget, depth, 16, min(picker.support, 5) if picker.reports_dists else 0), picker,

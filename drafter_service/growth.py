@@ -77,7 +77,7 @@ class Growth:
         if with_dists:
             e = t.expansion[keys]
             parts += [t.dist_tokens[e].flatten(), t.dist_probs[e].flatten()]
-        flat = torch.cat([t.double() for t in parts]).cpu().numpy()
+        flat = torch.cat([part.double() for part in parts]).cpu().numpy()
         n, fn = int(flat[0]), int(flat[1])
         at = 2
         tokens = flat[at:at + n].astype("int64").tolist()

@@ -26,7 +26,7 @@ class Node:
     # ranking key: the parent's plus `rank_logq` (logp itself, unless the children were drawn),
     # non-increasing along each parent's draw order
     score: float
-    # the node's place in the fixed candidate table of `drafter_service.growth` (0 for the root):
+    # the node's place in the fixed candidate table of `kernels.tree_growth` (0 for the root):
     # it keys the noise of the node's own draws, so the host loop and the device loop draw alike
     key: int = 0
 
@@ -46,12 +46,15 @@ class NodeSet:
 
         A child's score is its parent's plus `rank_logq` of its place among the candidates, capped
         by its earlier sibling's, so ranking by score never prefers a later draw over an earlier
-        one (children must form a prefix of the draw order)."""
+        one (children must form a prefix of the draw order), and by its parent's, so a parent
+        always outranks its children."""
         p = self.nodes[parent]
         self.expanded.add(parent)
         if children.dist is not None:
             self.dists[parent] = children.dist
-        ids, cap = [], math.inf
+        # capped by the parent's score too: a no-op for probabilities up to 1, and what keeps every
+        # selection a tree whatever the ranking probabilities
+        ids, cap = [], p.score
         for k, (tok, lq, rank_lq) in enumerate(list(zip(children.tokens, children.logq, rank_logq(children)))[:count]):
             logp = p.logp + lq
             cap = min(cap, p.score + rank_lq)

@@ -14,7 +14,9 @@ siblings in draw order.
 `grow_level` runs what a level does after the draft forward has given its frontier's children:
 
 1. the children are written to their keys. A child's score is its parent's plus the log of what it
-   is ranked by, capped by its earlier siblings' (a running minimum along the row);
+   is ranked by, capped by its earlier siblings' and its parent's (a running minimum along the row,
+   started at the parent's score: with probabilities up to 1 the parent's cap changes nothing, but
+   it keeps every selection a tree, since a parent then outranks its children whatever comes in);
 2. the selection becomes the B best live candidates by (-score, key). The selection threshold only
    rises as candidates are added, so a candidate left out once is never selected later: the
    candidates are the previous selection and this level's children, not the whole table. Key order
@@ -69,7 +71,8 @@ class GrowthTables:
     Candidates: token, parent (key, -1 for the root), depth, expansion (a drawn node's row in
     dist_*) (C + 1,) int64; logp, score (C + 1,) float64; dist_tokens (E + 1, m) int64, dist_probs
     (E + 1, m) float32. The last row of each is a spare that writes going nowhere may use.
-    Selection: chosen (B,) int64, the selected keys in key order; counts (4,) int64: selected,
+    Selection: chosen (B,) int64, the selected keys in key order (rows past their count are stale:
+    the kernel leaves them, the twin zeroes them); counts (4,) int64: selected,
     frontier size, levels run, size of the tree the last forward ran over.
     Frontier: rows (K,) its nodes' rows in the forward's tree, fkey (K,) their keys (0 past its size).
     Forward: tree_tokens, tree_positions (N,) int64 and tree_parents (N,) int32, the selected tree
@@ -143,10 +146,12 @@ def grow_level_ref(t: GrowthTables, tokens: torch.Tensor, probs: torch.Tensor,
     tokens (K, k') int64 and probs (K, k') float32 are each row's top-k' children, ranked by their own
     probability; with draw_order (K, k') int64, tokens (K, m) and probs (K, m) are each row's
     distribution (largest first) and draw_order the columns drawn, the j-th draw ranked by the j-th
-    largest probability, and the distributions are kept in dist_*. A child of probability 0 is none."""
+    largest probability, and the distributions are kept in dist_*. Probability 0 marks a row's end:
+    that child is none, and the running minimum leaves none after it either."""
     sh = t.shape
     B, K, C, D, N = sh.budget, sh.k, sh.capacity, sh.depth, sh.nodes
     dev = t.chosen.device
+    _children_width(t, tokens, draw_order)
     n_chosen, n_front, level = t.counts[0], t.counts[1], t.counts[2]
     if draw_order is None:
         kid_tokens, kid_probs, rank_probs = tokens, probs, probs
@@ -160,7 +165,8 @@ def grow_level_ref(t: GrowthTables, tokens: torch.Tensor, probs: torch.Tensor,
     # 1. the children, written to their keys (those that are none go to the spare row)
     valid = (kid_probs > 0) & real[:, None]
     ckey = 1 + level * (K * K) + f[:, None] * K + torch.arange(kk, device=dev)[None, :]
-    capped = torch.cummin(t.score[fk][:, None] + torch.log(rank_probs.double()), dim=1).values
+    parent_score = t.score[fk][:, None]
+    capped = torch.minimum(torch.cummin(parent_score + torch.log(rank_probs.double()), dim=1).values, parent_score)
     cscore = torch.where(valid, capped, -math.inf)
     wkey = torch.where(valid, ckey, C)
     t.token[wkey] = kid_tokens
@@ -275,7 +281,7 @@ def _grow_level_kernel(
     valid = c_m & (cprob > 0)
     ckey = 1 + level * (K * K) + f[:, None] * K + j[None, :]
     pscore = fscore[:, None] + tl.log(crank.to(tl.float64))
-    capped = tl.associative_scan(tl.where(c_m, pscore, float("inf")), 1, _min)
+    capped = tl.minimum(tl.associative_scan(tl.where(c_m, pscore, float("inf")), 1, _min), fscore[:, None])
     live = valid & (capped > float("-inf"))
     cdep = fdep[:, None] + 1
     tl.store(token_ptr + ckey, ctok, mask=valid)
@@ -366,10 +372,8 @@ def grow_level(t: GrowthTables, tokens: torch.Tensor, probs: torch.Tensor,
                draw_order: torch.Tensor | None = None) -> None:
     """Triton twin of `grow_level_ref` (same arguments): one program, one launch."""
     sh = t.shape
-    kk = (tokens if draw_order is None else draw_order).shape[1]
+    kk = _children_width(t, tokens, draw_order)
     m = tokens.shape[1] if draw_order is not None else 1
-    if draw_order is not None and m != t.dist_tokens.shape[1]:
-        raise ValueError(f"distributions of {m} tokens for tables of {t.dist_tokens.shape[1]}")
     if tokens.stride(1) != 1 or probs.stride(1) != 1:
         tokens, probs = tokens.contiguous(), probs.contiguous()
     order = tokens if draw_order is None else draw_order.contiguous()
@@ -382,6 +386,16 @@ def grow_level(t: GrowthTables, tokens: torch.Tensor, probs: torch.Tensor,
         sh.budget, sh.k, kk, t.dist_tokens.shape[1], sh.depth, sh.nodes,
         BP=_block(sh.budget), KP=kp, KKP=kkp, MP=_block(m), NP=_block(sh.nodes), KEY_BITS=max(1, sh.capacity.bit_length()),
         DRAWN=draw_order is not None, num_warps=4 if kp * kkp <= 1024 else 8 if kp * kkp <= 4096 else 16)
+
+
+def _children_width(t: GrowthTables, tokens: torch.Tensor, draw_order: torch.Tensor | None) -> int:
+    """k', the children a frontier row gives, after checking the arguments fit the tables."""
+    kk = (tokens if draw_order is None else draw_order).shape[1]
+    if kk > t.shape.k:  # a row's keys would run into the next row's
+        raise ValueError(f"{kk} children a node for a budget of {t.shape.budget}")
+    if draw_order is not None and tokens.shape[1] != t.dist_tokens.shape[1]:
+        raise ValueError(f"distributions of {tokens.shape[1]} tokens for tables of {t.dist_tokens.shape[1]}")
+    return kk
 
 
 def _block(n: int) -> int:

@@ -16,17 +16,18 @@ from kernels.tree_growth import GrowthTables, Shape
 TIED = (0.5, 0.25, 0.125, 0.0625)
 
 
-def children(rng: random.Random, K: int, kk: int, ties: bool, device):
+def children(rng: random.Random, K: int, kk: int, ties: bool, device, scale: float = 1.0):
     """Top-k children of K frontier rows: tokens (K, kk) int64, probs (K, kk) float32, largest first
     in most rows (out of order in some, where the cap by earlier siblings decides), zero (no child)
-    past a random count per row."""
+    past a random count per row. `scale` > 1 gives ranking probabilities above 1, where the cap by
+    the parent's score decides."""
     tokens, probs = [], []
     for _ in range(K):
         n = rng.choice([kk, kk, rng.randint(0, kk)])
         ps = sorted((rng.choice(TIED) if ties else rng.random() ** 3 for _ in range(n)), reverse=True)
         if rng.random() < 0.25:
             rng.shuffle(ps)
-        probs.append(ps + [0.0] * (kk - n))
+        probs.append([p * scale for p in ps] + [0.0] * (kk - n))
         tokens.append([rng.randrange(1000) for _ in range(kk)])
     return (torch.tensor(tokens, dtype=torch.int64, device=device),
             torch.tensor(probs, dtype=torch.float32, device=device))
@@ -56,13 +57,22 @@ def tables(shape: Shape, root: int, length: int, device) -> GrowthTables:
     return t
 
 
-def assert_same(a: GrowthTables, b: GrowthTables) -> None:
-    """Every buffer that a run reads, equal (the spare rows excepted: the twin parks writes there)."""
+def assert_same_selection(a: GrowthTables, b: GrowthTables) -> None:
+    """What the next level and the caller read: the counts, the selection and its fields, the
+    frontier, and the forward's trees."""
     n = int(a.counts[0])
     assert a.counts.tolist() == b.counts.tolist()
-    assert a.chosen[:n].tolist() == b.chosen[:n].tolist()
+    keys = a.chosen[:n]
+    assert keys.tolist() == b.chosen[:n].tolist()
     for name in ("rows", "fkey", "tree_tokens", "tree_positions", "tree_parents", "last_tokens", "last_parents"):
         assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
+    for name in ("token", "parent", "depth", "logp", "score"):
+        torch.testing.assert_close(getattr(a, name)[keys], getattr(b, name)[keys], rtol=1e-14, atol=0, msg=name)
+
+
+def assert_same(a: GrowthTables, b: GrowthTables) -> None:
+    """Every buffer, equal (the spare rows excepted: the twin parks writes there)."""
+    assert_same_selection(a, b)
     for name in ("token", "parent", "depth", "expansion", "dist_tokens", "dist_probs"):
         assert torch.equal(getattr(a, name)[:-1].cpu(), getattr(b, name)[:-1].cpu()), name
     # the two take float64 logs with different libraries (numpy's or CUDA's, and torch's): a last
@@ -72,31 +82,41 @@ def assert_same(a: GrowthTables, b: GrowthTables) -> None:
                                    msg=name)
 
 
-def run(shape: Shape, seed: int, drawn: bool, ties: bool, step, twin, device) -> int:
+def run(shape: Shape, seed: int, drawn: bool, ties: bool, step, twin, device, scale: float = 1.0,
+        view=lambda x: x, used: GrowthTables | None = None) -> int:
     """Grow one random tree with `step` and with `twin`, comparing after every level; returns the
-    number of levels run."""
+    number of levels run. `view` is applied to each argument `step` gets (a layout test); `used`:
+    tables of an earlier run that `step` starts from, reset, instead of fresh ones."""
     rng = random.Random(seed)
     root, length = rng.randrange(1000), rng.randrange(100)
-    a, b = tables(shape, root, length, device), tables(shape, root, length, device)
+    b = tables(shape, root, length, device)
+    if used is None:
+        a = tables(shape, root, length, device)
+    else:
+        a = used
+        a.inputs.copy_(b.inputs)
+        a.reset()
+    compare = assert_same if used is None else assert_same_selection
     K = shape.k
     kk = rng.randint(1, K) if rng.random() < 0.3 else K
     for level in range(shape.depth):
         if drawn:
             args = draws(rng, K, min(kk, shape.support), shape.support, ties, device)
         else:
-            args = children(rng, K, kk, ties, device)
-        step(a, *args)
+            args = children(rng, K, kk, ties, device, scale)
+        step(a, *[view(x) for x in args])
         twin(b, *args)
-        assert_same(a, b)
-        check_tree(a, shape)
+        compare(a, b)
+        check_tree(a, shape, length)
         if int(a.counts[1]) == 0:
             return level + 1
     return shape.depth
 
 
-def check_tree(t: GrowthTables, shape: Shape) -> None:
+def check_tree(t: GrowthTables, shape: Shape, length: int) -> None:
     """The selection is a tree in key order within the budget and depth, scores never rise along a
-    path, and the next forward's tree is it, padded with children of the root."""
+    path, and the next forward's tree is it (tokens, positions after the committed `length`),
+    padded with children of the root."""
     n = int(t.counts[0])
     keys = t.chosen[:n].tolist()
     assert 1 <= n <= shape.budget and keys[0] == 0 and keys == sorted(set(keys))
@@ -104,6 +124,8 @@ def check_tree(t: GrowthTables, shape: Shape) -> None:
     score, depth = t.score.tolist(), t.depth.tolist()
     assert parents[0] == -1 and all(0 <= parents[i] < i for i in range(1, n))
     assert all(p == 0 for p in parents[n:])
+    assert t.tree_tokens.tolist() == [int(t.token[k]) for k in keys] + [0] * (shape.nodes - n)
+    assert t.tree_positions.tolist() == [length + depth[k] for k in keys] + [length + 1] * (shape.nodes - n)
     for i in range(1, n):
         assert t.parent[keys[i]] == keys[parents[i]]
         assert score[keys[i]] <= score[keys[parents[i]]] and math.isfinite(score[keys[i]])

@@ -28,11 +28,41 @@ def test_drawn_children(budget, depth, nodes, support, ties):
         growth_runs.run(Shape(budget, depth, nodes, support), seed, True, ties, grow_level, grow_level_ref, "cpu")
 
 
-def test_runs_reach_every_depth_and_stop_at_the_limit():
-    """The random runs the tests above compare are not all cut short: some reach the depth limit."""
-    levels = [growth_runs.run(Shape(6, 4, 8), seed, False, False, grow_level_ref, grow_level_ref, "cpu")
-              for seed in range(6)]
-    assert max(levels) == 4 and min(levels) >= 1
+def test_the_random_runs_stop_both_ways():
+    """The runs compared above end both ways: deep ones at their depth limit, others earlier, when
+    no child of a level is selected."""
+    ends = {(levels == depth) for budget, depth, nodes in SHAPES if depth >= 4 for seed in range(2)
+            for levels in [growth_runs.run(Shape(budget, depth, nodes), seed, False, False,
+                                           grow_level_ref, grow_level_ref, "cpu")]}
+    assert ends == {True, False}
+
+
+@pytest.mark.parametrize("budget,depth,nodes", [(5, 4, 8), (16, 5, 16)])
+def test_ranking_probabilities_above_one(budget, depth, nodes):
+    """A child's score is capped by its parent's, so even ranking probabilities above 1 (which no
+    picker gives) keep every selection a tree, and both twins agree."""
+    for seed in range(2):
+        growth_runs.run(Shape(budget, depth, nodes), seed, False, False, grow_level, grow_level_ref, "cpu", scale=3.0)
+
+
+@pytest.mark.parametrize("layout", ["row-slices", "column-major"])
+def test_inputs_of_any_layout(layout):
+    """Children given as slices of wider tensors (row strides past their width) or column-major."""
+    def view(x):
+        if layout == "row-slices":
+            return torch.cat([x, torch.zeros_like(x)], dim=1)[:, : x.shape[1]]
+        return x.t().contiguous().t()
+
+    growth_runs.run(Shape(9, 3, 16), 0, False, True, grow_level, grow_level_ref, "cpu", view=view)
+    growth_runs.run(Shape(9, 3, 16, 6), 1, True, False, grow_level, grow_level_ref, "cpu", view=view)
+
+
+def test_tables_reused_after_a_run():
+    """Tables reset after a whole run grow the next tree as fresh ones do (nothing left over is read)."""
+    shape = Shape(8, 4, 8, 5)
+    used = growth_runs.tables(shape, 0, 0, "cpu")
+    for seed, drawn in [(0, False), (1, True), (2, False)]:
+        growth_runs.run(shape, seed, drawn, seed == 2, grow_level, grow_level_ref, "cpu", used=used)
 
 
 def test_twin_selects_the_best_of_the_whole_table():
@@ -59,11 +89,15 @@ def test_twin_selects_the_best_of_the_whole_table():
             break
 
 
-def test_mismatched_distribution_width_is_refused():
+@pytest.mark.parametrize("step", [grow_level, grow_level_ref], ids=["kernel", "twin"])
+def test_arguments_that_do_not_fit_are_refused(step):
     t = GrowthTables(Shape(4, 2, 4, 3), torch.device("cpu"))
     tokens, probs, order = growth_runs.draws(random.Random(0), 3, 3, 5, False, "cpu")
     with pytest.raises(ValueError, match="distributions of 5 tokens"):
-        grow_level(t, tokens, probs, order)
+        step(t, tokens, probs, order)
+    tokens, probs = growth_runs.children(random.Random(0), 3, 4, False, "cpu")
+    with pytest.raises(ValueError, match="4 children a node for a budget of 4"):
+        step(t, tokens, probs)
 
 
 def test_no_tree_for_a_budget_of_one():

@@ -19,19 +19,28 @@ PROMPT = [5, 17, 42, 8, 99, 3, 11, 23]
 
 @pytest.fixture(scope="module")
 def deployment(tiny_pair):
+    import ray
+
+    from orchestrator.cluster import init_ray
     from orchestrator.runtime import Orchestrator, OrchestratorConfig
 
-    verifier = LocalVerifier(tiny_pair[0], max_sequences=8, max_sequence_length=256)
-    replicas = [f"127.0.0.1:{verifier.port}", f"localhost:{verifier.port}"]
-    orch = None
+    # Ray's head processes first, while this process runs no gRPC threads: forked beside a serving
+    # gRPC server (gRPC then skips its fork handlers), Ray's GCS server sometimes never started
+    init_ray(None, NAMESPACE, quiet=True)
+    verifier = orch = None
     try:
+        verifier = LocalVerifier(tiny_pair[0], max_sequences=8, max_sequence_length=256)
+        replicas = [f"127.0.0.1:{verifier.port}", f"localhost:{verifier.port}"]
         orch = Orchestrator(OrchestratorConfig(verifiers=replicas, port=0, namespace=NAMESPACE,
                                                tokenizer=str(tiny_pair[0]), quiet=True)).start()
         yield orch, replicas
     finally:
         if orch is not None:
             orch.stop()
-        verifier.stop()
+        if ray.is_initialized():
+            ray.shutdown()
+        if verifier is not None:
+            verifier.stop()
 
 
 @pytest.fixture(scope="module")

@@ -101,8 +101,7 @@ class ChildPicker:
     def pick(self, logits: torch.Tensor, k: int, position: int, salts: Sequence[int]) -> list[Children]:
         """logits (n, K); k: most children per node; position: the tree's committed length (keys the
         noise); salts: n distinct per-node integers (stable node ids of the tree being built)."""
-        n, width = logits.shape
-        if n == 0:
+        if logits.shape[0] == 0:
             return []
         if self.rule is PickRule.DRAWN:  # only draws read the salts and the position
             dev = logits.device
@@ -114,13 +113,13 @@ class ChildPicker:
         # the log-probabilities are taken here, on the host copy: on the device they would be more
         # launches on a path that pays for each one
         if picked.draw_order is None:
-            tokens, probs = _to_host(picked.top_tokens, picked.top_probs)
+            tokens, probs = _to_host(picked.tokens, picked.probs)
             out = []
             for rt, rp in zip(tokens.astype("int64").tolist(), probs.tolist()):
                 keep = [(t, math.log(p)) for t, p in zip(rt, rp) if p > 0.0]
                 out.append(Children(tuple(t for t, _ in keep), tuple(lq for _, lq in keep)))
             return out
-        order, dist_t, dist_p = _to_host(picked.draw_order, picked.dist_tokens, picked.dist_probs)
+        order, dist_t, dist_p = _to_host(picked.draw_order, picked.tokens, picked.probs)
         out = []
         for ro, dt, dp in zip(order.astype("int64").tolist(), dist_t.astype("int64").tolist(), dist_p.tolist()):
             listed = [(t, p) for t, p in zip(dt, dp) if p > 0.0]
@@ -142,7 +141,7 @@ class ChildPicker:
             return self._draw(logits, k, position, salts, stream_key)
         probs = self.ranking_probs(logits)
         top_p, top_c = torch.topk(probs, min(k, width), dim=-1)
-        return Picked(top_tokens=self._tokens(top_c), top_probs=top_p)
+        return Picked(self._tokens(top_c), top_p)
 
     def draft_distribution(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The q that DRAWN samples from, per row: (n, m) token ids and (n, m) float32 probs
@@ -171,42 +170,21 @@ class ChildPicker:
         logp = torch.log(probs.double())
         scores = torch.where(probs > 0, logp + gumbel, torch.full_like(gumbel, -math.inf))
         order = torch.argsort(scores, dim=-1, descending=True)[:, :k]
-        return Picked(dist_tokens=tokens, dist_probs=probs, draw_order=order)
+        return Picked(tokens, probs, order)
 
 
 @dataclass(frozen=True)
 class Picked:
     """Children of n nodes on the device, k' = min(k, candidates) each, in the order they join the
-    tree. The top-k rules give top_tokens (n, k') int64 and top_probs (n, k') float32. DRAWN gives
-    the distribution drawn from, dist_tokens (n, m) int64 and dist_probs (n, m) float32 (largest
-    first, zero-padded), and draw_order (n, k') int64, the columns drawn, in draw order. Either way
-    `tokens`, `probs` (0: no child), `rank_probs` (what the tree ranks a child by,
-    `nodes.rank_logq`) and its log are (n, k'), derived on first use (the host path reads the
-    fields it needs and launches nothing more)."""
+    tree: the arguments of `kernels.ops.grow_level`. The top-k rules give the children themselves,
+    tokens (n, k') int64 and probs (n, k') float32 (0: no child), and no draw_order. DRAWN gives the
+    distribution drawn from, tokens (n, m) int64 and probs (n, m) float32 (largest first,
+    zero-padded), and draw_order (n, k') int64, the columns drawn, in draw order (the k-th draw is
+    ranked by q's k-th largest probability, `nodes.rank_logq`)."""
 
-    top_tokens: torch.Tensor | None = None
-    top_probs: torch.Tensor | None = None
-    dist_tokens: torch.Tensor | None = None
-    dist_probs: torch.Tensor | None = None
+    tokens: torch.Tensor
+    probs: torch.Tensor
     draw_order: torch.Tensor | None = None
-
-    @property
-    def tokens(self) -> torch.Tensor:
-        return self.top_tokens if self.draw_order is None else self.dist_tokens.gather(1, self.draw_order)
-
-    @property
-    def probs(self) -> torch.Tensor:
-        return self.top_probs if self.draw_order is None else self.dist_probs.gather(1, self.draw_order)
-
-    @property
-    def rank_probs(self) -> torch.Tensor:
-        """A drawn child is ranked by its place in the draw: the k-th by q's k-th largest probability."""
-        return self.top_probs if self.draw_order is None else self.dist_probs[:, : self.draw_order.shape[1]]
-
-    @property
-    def rank_logq(self) -> torch.Tensor:
-        """(n, k') float64."""
-        return torch.log(self.rank_probs.double())
 
 
 def _to_host(*tensors: torch.Tensor):

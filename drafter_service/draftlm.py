@@ -271,8 +271,11 @@ class DraftModel:
 
     @contextmanager
     def exclusive(self):
-        """Device work of this model's callers (a picker's ops on its logits) that must not run
-        beside a capture (`models.graphs.CAPTURE_LOCK`) or another caller's steps."""
+        """Device work of this model or its callers (a picker's ops on its logits) that must not
+        run beside a capture (`models.graphs.CAPTURE_LOCK`) or another caller's steps. CAPTURE_LOCK
+        first, as the draft-ahead worker takes it (outside this lock): a lazy graph capture made
+        here, or by a target model in this process, then never waits on a thread that waits on us
+        (models.graphs.CAPTURE_LOCK)."""
         with CAPTURE_LOCK, self._lock:
             yield
 
@@ -338,10 +341,7 @@ class DraftModel:
 
     @contextmanager
     def _call(self):
-        # CAPTURE_LOCK first, as the draft-ahead worker takes it (outside this lock): a lazy graph
-        # capture made here, or by a target model in this process, then never waits on a thread
-        # that waits on us (models.graphs.CAPTURE_LOCK)
-        with CAPTURE_LOCK, self._lock:
+        with self.exclusive():
             t0 = time.perf_counter()
             try:
                 yield

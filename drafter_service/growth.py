@@ -61,10 +61,7 @@ class Growth:
         t = self.tables
         logits = self.forward(t.tree_tokens, t.tree_positions, t.tree_parents, t.rows)
         picked = self.picker.pick_tensors(logits, self.shape.k, t.committed_length, t.fkey, t.inputs[3:4])
-        if picked.draw_order is None:
-            ops.grow_level(t, picked.top_tokens, picked.top_probs)
-        else:
-            ops.grow_level(t, picked.dist_tokens, picked.dist_probs, picked.draw_order)
+        ops.grow_level(t, picked.tokens, picked.probs, picked.draw_order)
 
     # ---- results --------------------------------------------------------------------------------
     def read(self, with_dists: bool) -> tuple[Draft, TokenTree]:

@@ -151,14 +151,13 @@ def grow_level_ref(t: GrowthTables, tokens: torch.Tensor, probs: torch.Tensor,
     sh = t.shape
     B, K, C, D, N = sh.budget, sh.k, sh.capacity, sh.depth, sh.nodes
     dev = t.chosen.device
-    _children_width(t, tokens, draw_order)
+    kk = _children_width(t, tokens, draw_order)
     n_chosen, n_front, level = t.counts[0], t.counts[1], t.counts[2]
     if draw_order is None:
         kid_tokens, kid_probs, rank_probs = tokens, probs, probs
     else:
         kid_tokens, kid_probs = tokens.gather(1, draw_order), probs.gather(1, draw_order)
-        rank_probs = probs[:, : draw_order.shape[1]]
-    kk = kid_tokens.shape[1]
+        rank_probs = probs[:, :kk]
     f = torch.arange(K, device=dev)
     real = f < n_front
     fk = t.fkey

@@ -35,6 +35,8 @@ _HOME = {
     "rope_qk": "kernels.rope",
     "silu_mul": "kernels.silu_mul",
     "grow_level": "kernels.tree_growth",
+    "gumbel_argmax": "kernels.gumbel_argmax",
+    "accept_nodes": "kernels.node_acceptance",
 }
 
 
@@ -87,3 +89,5 @@ project_tree_conv = _dispatcher("project_tree_conv")
 rope_qk = _dispatcher("rope_qk")
 silu_mul = _dispatcher("silu_mul")
 grow_level = _dispatcher("grow_level")
+gumbel_argmax = _dispatcher("gumbel_argmax")
+accept_nodes = _dispatcher("accept_nodes")

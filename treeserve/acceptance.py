@@ -3,8 +3,11 @@
 Every rule is lossless: the emitted tokens follow the target distribution exactly.
 - `follow_target`: greedy (target_tokens = argmax) and target-only sampling (target_tokens =
   seeded samples). Exact for any tree.
-- `multi_draft_walk`: SpecInfer-style speculative sampling for children drawn from q without
-  replacement; a chain (one child per node) is the Leviathan rule.
+- the multi-draft walk: SpecInfer-style speculative sampling for children drawn from q without
+  replacement; a chain (one child per node) is the Leviathan rule. `accept_among_children` defines
+  it at one node. A node's decision never depends on the path that reached it, so the verifier
+  decides every node at once on the device (`verifier_service.results.node_outcomes`) and `walk`
+  follows the accepted children from the root.
 
 Positions: the children of node i are candidates for absolute position `L + depth(i) + 1`; the
 random numbers of the walk are drawn at that position (see treeserve.sampling).
@@ -12,11 +15,10 @@ random numbers of the walk are drawn at that position (see treeserve.sampling).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from treeserve import sampling
 from treeserve.tree import SparseDist, TokenTree
 
 
@@ -88,37 +90,12 @@ def accept_among_children(
     return None, int((torch.log(p) + g).argmax())
 
 
-def multi_draft_walk(
-    tree: TokenTree,
-    target_probs: Callable[[int], torch.Tensor],
-    committed_length: int,
-    seed: int,
-) -> Outcome:
-    """Speculative sampling along the tree. `target_probs(i)` gives node i's transformed target
-    distribution (V,) (only visited nodes are asked). Nodes without a draft distribution (or
-    without children) end the walk with a target sample from the residual stream."""
-    if tree.draft is None:
-        raise ValueError("multi_draft_walk needs a tree with draft distributions")
-    depths = tree.depths()
+def walk(tree: TokenTree, outcomes: Sequence[Sequence[int]]) -> Outcome:
+    """Follow accepted children from the root; `outcomes` is `node_outcomes` on the host."""
     node, path = 0, [0]
     while True:
-        p = target_probs(node)
-        vocab = p.shape[-1]
-        kids = tree.children(node)
-        position = torch.tensor([committed_length + depths[node] + 1], dtype=torch.long, device=p.device)
-        residual_u = sampling.uniforms(
-            seed, position[:, None], sampling.STREAM_RESIDUAL, torch.arange(vocab, device=p.device)[None, :]
-        )[0]
-        dist = tree.draft[node]
-        if not kids or dist is None:
-            _, tok = accept_among_children(p, torch.zeros_like(p, dtype=torch.float64), (), (), residual_u)
-            return Outcome(tuple(path), tok)
-        u = sampling.uniforms(
-            seed, position.expand(len(kids)), sampling.STREAM_ACCEPT, torch.arange(len(kids), device=p.device)
-        ).tolist()
-        q = dense(dist, vocab, p.device)
-        k, tok = accept_among_children(p, q, [tree.tokens[c] for c in kids], u, residual_u)
-        if k is None:
-            return Outcome(tuple(path), tok)
-        node = kids[k]
+        child, token = outcomes[node]
+        if child < 0:
+            return Outcome(tuple(path), int(token))
+        node = tree.children(node)[child]
         path.append(node)

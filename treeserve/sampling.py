@@ -66,10 +66,9 @@ class Sampling:
 def transform(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k, then top-p.
     Greedy settings give a one-hot at the argmax (ties: lowest index, like torch.argmax)."""
-    logits = logits.float()
     if s.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / s.temperature
+    logits = scaled_logits(logits, s)
     if 0 < s.top_k < logits.shape[-1]:
         kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -83,6 +82,12 @@ def transform(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
         probs = torch.where(keep, probs, torch.zeros_like(probs))
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def scaled_logits(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """float32 logits times float32(1 / temperature), the product `kernels.gumbel_argmax` forms:
+    the log-probabilities of the sampled distribution up to a constant per row."""
+    return logits.float() * (1.0 / s.temperature)
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -122,25 +127,3 @@ def uniforms_keyed(key: torch.Tensor | int, positions: torch.Tensor, index: torc
 def uniforms(seed: int, positions: torch.Tensor, stream: int, index: torch.Tensor | int = 0) -> torch.Tensor:
     """Uniform floats in (0, 1), shape of `positions` broadcast with `index` (both int64)."""
     return uniforms_keyed(stream_key(seed, stream), positions, index)
-
-
-def gumbel(seed: int, positions: torch.Tensor, vocab: int, stream: int) -> torch.Tensor:
-    """(T, V) Gumbel noise for T positions (float32)."""
-    idx = torch.arange(vocab, device=positions.device, dtype=torch.long)[None, :]
-    u = uniforms(seed, positions.long()[:, None], stream, idx)
-    return (-torch.log(-torch.log(u))).float()
-
-
-def sample(probs: torch.Tensor, seed: int, positions: torch.Tensor, stream: int = STREAM_TARGET) -> torch.Tensor:
-    """(T, V) probabilities -> (T,) tokens by Gumbel-max with counter-based noise at `positions`."""
-    g = gumbel(seed, positions, probs.shape[-1], stream)
-    scores = torch.log(probs.float()) + g.to(probs.device)
-    return scores.argmax(-1)
-
-
-def choose(logits: torch.Tensor, s: Sampling, positions: torch.Tensor) -> torch.Tensor:
-    """The target's token at each of T positions: argmax when greedy, else the seeded sample.
-    logits (T, V); positions (T,) absolute positions of the tokens being chosen."""
-    if s.greedy:
-        return logits.argmax(-1)
-    return sample(transform(logits, s), s.seed, positions, STREAM_TARGET)

@@ -16,7 +16,6 @@ from typing import NamedTuple
 import torch
 
 from models.errors import SequenceTooLong, SlotsExhausted, StaleHandle
-from treeserve import sampling
 from treeserve.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, ServeError
 from treeserve.sampling import Sampling
 from treeserve.tree import TokenTree
@@ -100,7 +99,7 @@ class Engine:
         try:
             logits = self.lm.prefill([slot], [list(prompt)])
             pos = torch.tensor([len(prompt)], dtype=torch.long, device=logits.device)
-            first = int(sampling.choose(logits[:1], s, pos)[0])
+            first = int(results.choose(logits[:1], s, pos)[0])
         except Exception as exc:
             self.lm.pool.free(slot)
             mapped = runtime_error(exc)

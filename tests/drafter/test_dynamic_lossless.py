@@ -19,7 +19,7 @@ from drafter_service.children import ChildPicker, PickRule
 from drafter_service.dynamic import DynamicProposer
 from drafter_service.nodes import NodeSet, rank_logq
 from drafter_service.state import DraftState, TokenHistory
-from treeserve.acceptance import multi_draft_walk
+from verifier_service.results import multi_draft_walk
 from treeserve.sampling import Sampling
 
 ROOT = 0
@@ -61,7 +61,7 @@ def emitted_tokens(trials: int) -> list[tuple[int, ...]]:
         state = BigramDraft(s, length)
         tree = proposer.propose(state, ROOT, 3, 2).tree
         tree.validate(DRAFT.shape[1], 3)
-        outcome = multi_draft_walk(tree, lambda i: TARGET[tree.tokens[i]], length, s.seed)
+        outcome = multi_draft_walk(tree, TARGET[list(tree.tokens)], length, s.seed)
         out.append(tuple(outcome.emitted(tree)))
     return out
 

@@ -13,7 +13,6 @@ def test_greedy_is_one_hot_argmax():
     logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 3.0, 0.0]])
     probs = sampling.transform(logits, Sampling())
     assert probs.tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
-    assert sampling.choose(logits, Sampling(), torch.tensor([5, 6])).tolist() == [1, 0]
 
 
 def test_temperature_top_k_top_p():
@@ -44,23 +43,3 @@ def test_uniforms_reproducible_and_uniform():
     assert not torch.equal(u1, sampling.uniforms(7, pos, sampling.STREAM_ACCEPT))
     assert ((u1 > 0) & (u1 < 1)).all()
     assert stats.kstest(u1.numpy(), "uniform").pvalue > 1e-3
-
-
-def test_sample_follows_distribution():
-    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    n = 40000
-    tokens = sampling.sample(probs.expand(n, 4), seed=3, positions=torch.arange(n))
-    counts = torch.bincount(tokens, minlength=4).double()
-    expected = probs.double() / probs.double().sum() * n
-    assert stats.chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3
-
-
-def test_sample_depends_only_on_seed_and_position():
-    """The property that makes sampled speculation reproducible: the draw at a position does not
-    depend on which batch or how many other rows it was computed with."""
-    logits = torch.randn(6, 32, generator=torch.Generator().manual_seed(0))
-    s = Sampling(temperature=0.9, top_k=10, seed=11)
-    positions = torch.tensor([4, 9, 9, 10, 17, 4])
-    together = sampling.choose(logits, s, positions)
-    alone = torch.cat([sampling.choose(logits[i : i + 1], s, positions[i : i + 1]) for i in range(6)])
-    assert torch.equal(together, alone)

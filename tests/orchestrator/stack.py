@@ -10,11 +10,11 @@ import torch
 
 from orchestrator.client import GenerationClient, request
 from orchestrator.procs import Child, free_port, stop_all
-from treeserve import sampling
 from treeserve.sampling import Sampling
 from treeserve.server import channel
 from treeserve.v1 import treeserve_pb2 as pb
 from treeserve.v1 import treeserve_pb2_grpc as pbg
+from verifier_service.results import choose
 
 MAX_SEQUENCE_LENGTH = 512
 MAX_TREE_NODES = 32
@@ -141,7 +141,7 @@ class Reference:
                 logits = lm.prefill([slot], [list(prompt)])
                 while len(out) < n:
                     pos = torch.tensor([len(prompt) + len(out)])
-                    tok = int(sampling.choose(logits[:1], s, pos)[0])
+                    tok = int(choose(logits[:1], s, pos)[0])
                     if tok in self.eos:
                         break
                     out.append(tok)

@@ -23,9 +23,10 @@ import torch
 from scipy import stats
 
 from treeserve import sampling
-from treeserve.acceptance import accept_among_children, dense, follow_target, multi_draft_walk
+from treeserve.acceptance import accept_among_children, dense, follow_target
 from treeserve.sampling import Sampling
 from treeserve.tree import SparseDist, TokenTree
+from verifier_service.results import choose, multi_draft_walk
 
 V = 8
 SCALE = float(os.environ.get("TREESERVE_STATS_SCALE", "1"))
@@ -85,7 +86,7 @@ def test_follow_target_with_sampling(name):
     per_node = []
     for i in range(tree.size):
         probs = (p_root if i == 0 else p_next[tree.tokens[i]]).expand(n, V)
-        per_node.append(sampling.sample(probs, s.seed or 11, base + depth[i] + 1))
+        per_node.append(choose(torch.log(probs), Sampling(1.0, seed=s.seed or 11), base + depth[i] + 1))
     target = torch.stack(per_node, 1).tolist()
     first = np.zeros(V, dtype=np.int64)
     second = np.zeros((V, V), dtype=np.int64)
@@ -172,12 +173,8 @@ def test_multi_draft_walk(case):
         parents = [-1, *[0] * k_root, *[1] * k_child]
         draft = [q_root, q_child, *[None] * (k_root - 1 + k_child)]
         tree = TokenTree(tuple(toks), tuple(parents), tuple(draft)).validate(V, 16)
-        node_p = {0: p_root}
-
-        def target_probs(i):
-            return node_p[0] if i == 0 else p_next[tree.tokens[i]]
-
-        emitted = multi_draft_walk(tree, target_probs, 5 * t, s.seed).emitted(tree)
+        probs = torch.stack([p_root, *(p_next[tok] for tok in tree.tokens[1:])])
+        emitted = multi_draft_walk(tree, probs, 5 * t, s.seed).emitted(tree)
         first[emitted[0]] += 1
         if len(emitted) > 1:
             second[emitted[0], emitted[1]] += 1

@@ -5,7 +5,7 @@ import torch
 
 from tests.verifier.harness import MAX_SEQUENCE_LENGTH
 from treeserve import sampling
-from treeserve.acceptance import multi_draft_walk
+from verifier_service.results import choose, multi_draft_walk
 from treeserve.sampling import Sampling
 from treeserve.tree import TokenTree
 
@@ -41,7 +41,7 @@ class RefSequence:
         self.slot = lm.pool.alloc()
         logits = lm.prefill([self.slot], [prompt])
         self.length = len(prompt)
-        self.first = int(sampling.choose(logits, s, torch.tensor([len(prompt)]))[0])
+        self.first = int(choose(logits, s, torch.tensor([len(prompt)]))[0])
         self._pending = None
 
     def verify(self, tree: TokenTree, top_logprobs: int = 0):
@@ -50,10 +50,10 @@ class RefSequence:
         logits = res.logits
         self._pending = res.pending[0]
         pos = torch.tensor(tree.depths()) + self.length + 1
-        tokens = [int(t) for t in sampling.choose(logits, self.s, pos)]
+        tokens = [int(t) for t in choose(logits, self.s, pos)]
         walk = None
         if tree.draft is not None and not self.s.greedy:
-            walk = multi_draft_walk(tree, lambda i: sampling.transform(logits[i], self.s), self.length, self.s.seed)
+            walk = multi_draft_walk(tree, sampling.transform(logits, self.s), self.length, self.s.seed)
         tops = []
         if top_logprobs:
             top = torch.log_softmax(logits, -1).topk(top_logprobs, -1)

@@ -28,8 +28,9 @@ def _check(logits: torch.Tensor, floor: torch.Tensor | None, positions: torch.Te
     if logits.dim() != 2:
         raise ValueError(f"gumbel_argmax: logits must be (T, V), got {tuple(logits.shape)}")
     rows = logits.shape[0]
-    if positions.shape != (rows,):
-        raise ValueError(f"gumbel_argmax: positions must be ({rows},), got {tuple(positions.shape)}")
+    if positions.shape != (rows,) or positions.device != logits.device:
+        raise ValueError(f"gumbel_argmax: positions must be ({rows},) on {logits.device}, "
+                         f"got {tuple(positions.shape)} on {positions.device}")
     if floor is not None and floor.shape != (rows,):
         raise ValueError(f"gumbel_argmax: floor must be ({rows},), got {tuple(floor.shape)}")
 
@@ -51,8 +52,8 @@ def gumbel_argmax_ref(logits: torch.Tensor, scale: float, floor: torch.Tensor | 
     return (z + g).argmax(-1)
 
 
-# the key and scale vary per call: no specialisation (a key of 1 would become a constant)
-@triton.jit(do_not_specialize=["scale", "key"])
+# the key varies per call: no specialisation (a key of 1 would become a constant)
+@triton.jit(do_not_specialize=["key"])
 def _gumbel_max_kernel(x_ptr, stride_row, floor_ptr, pos_ptr, best_ptr, at_ptr, scale, key, V, CHUNK,
                        HAS_FLOOR: tl.constexpr, LOG_F64: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row, split): the best (score, index) of the row's columns [split·CHUNK, +CHUNK).
@@ -95,8 +96,9 @@ def _gumbel_max_kernel(x_ptr, stride_row, floor_ptr, pos_ptr, best_ptr, at_ptr, 
 
 
 def _splits(rows: int, vocab: int, device: torch.device) -> int:
-    """Programs a row's vocabulary is split over: enough for two programs a core in all, at
-    least 4096 columns each (a smaller vocabulary is one program a row, and one launch)."""
+    """Programs a row's vocabulary is split over: enough for two programs a core in all, about 4096
+    columns or more each (chunks are rounded up to 1024 columns, so the last may be shorter); a
+    vocabulary under 8192 is one program a row, and one launch."""
     cores = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     return max(1, min(triton.cdiv(2 * cores, max(rows, 1)), vocab // 4096))
 
@@ -120,7 +122,9 @@ def gumbel_max(x: torch.Tensor, scale: float, floor: torch.Tensor | None, key: i
     floor_arg = floor.float().contiguous() if floor is not None else positions
     _gumbel_max_kernel[(rows, splits)](x, x.stride(0), floor_arg, positions, best, at, float(scale), int(key), vocab,
                                        chunk, HAS_FLOOR=floor is not None, LOG_F64=log_f64,
-                                       BLOCK=min(1024, triton.next_power_of_2(vocab)), num_warps=4)
+                                       BLOCK=min(1024, triton.next_power_of_2(vocab)), num_warps=4,
+                                       # scale·x + g rounded twice, as the twin rounds it: no fused multiply-add
+                                       enable_fp_fusion=False)
     if splits == 1:
         return at[:, 0]
     return at.gather(1, best.argmax(1, keepdim=True))[:, 0]

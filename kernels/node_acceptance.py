@@ -1,4 +1,4 @@
-"""The multi-draft acceptance rule at every node of a verified tree, in one launch.
+"""The multi-draft acceptance rule at every node of a verified tree at once, with no host synchronisation.
 
 `treeserve.acceptance.accept_among_children` defines what happens at one node: its children, drawn
 from the draft distribution q without replacement, are tried in draw order; child k is accepted
@@ -46,8 +46,8 @@ def _check(p: torch.Tensor, q: torch.Tensor, children: torch.Tensor, positions: 
     n = p.shape[0]
     if children.dim() != 2 or children.shape[0] != n:
         raise ValueError(f"accept_nodes: children must be ({n}, M), got {tuple(children.shape)}")
-    if positions.shape != (n,):
-        raise ValueError(f"accept_nodes: positions must be ({n},), got {tuple(positions.shape)}")
+    if positions.shape != (n,) or positions.device != p.device:
+        raise ValueError(f"accept_nodes: positions must be ({n},) on {p.device}, got {tuple(positions.shape)} on {positions.device}")
 
 
 def accept_nodes_ref(p: torch.Tensor, q: torch.Tensor, children: torch.Tensor, accept_key: int, residual_key: int,

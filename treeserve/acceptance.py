@@ -56,8 +56,7 @@ def follow_target(tree: TokenTree, target_tokens: Sequence[int]) -> Outcome:
 
 def dense(dist: SparseDist, vocab: int, device=None) -> torch.Tensor:
     """(V,) float64 dense form of a sparse draft distribution."""
-    unlisted = vocab - len(dist.tokens)
-    q = torch.full((vocab,), dist.residual / unlisted if unlisted > 0 else 0.0, dtype=torch.float64, device=device)
+    q = torch.full((vocab,), dist.unlisted_prob(vocab), dtype=torch.float64, device=device)
     if dist.tokens:
         q[torch.tensor(dist.tokens, device=device)] = torch.tensor(dist.probs, dtype=torch.float64, device=device)
     return q
@@ -91,7 +90,9 @@ def accept_among_children(
 
 
 def walk(tree: TokenTree, outcomes: Sequence[Sequence[int]]) -> Outcome:
-    """Follow accepted children from the root; `outcomes` is `node_outcomes` on the host."""
+    """Follow accepted children from the root. outcomes[i] = (index in draw order of node i's
+    accepted child or -1, the token node i emits): `verifier_service.results.node_outcomes` on the
+    host."""
     node, path = 0, [0]
     while True:
         child, token = outcomes[node]

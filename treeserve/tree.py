@@ -40,6 +40,10 @@ class SparseDist:
         for t, p in zip(self.tokens, self.probs):
             if t == token:
                 return p
+        return self.unlisted_prob(vocab_size)
+
+    def unlisted_prob(self, vocab_size: int) -> float:
+        """q of each token the distribution does not list."""
         unlisted = vocab_size - len(self.tokens)
         return self.residual / unlisted if unlisted > 0 else 0.0
 

@@ -42,15 +42,24 @@ class NodeResults:
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
 
 
+def _to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting for the device: on CUDA through pinned
+    memory (PyTorch's caching host allocator keeps the buffer until the copy is done), so the host
+    goes on queueing work behind the forward instead of waiting for it."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def next_positions(tree: TokenTree, committed_length: int, device) -> torch.Tensor:
     """(N,) int64: the absolute position each node's target token is chosen for."""
-    depths = torch.tensor(tree.depths(), dtype=torch.long, device=device)
-    return depths + (committed_length + 1)
+    return _to_device(torch.tensor([committed_length + 1 + d for d in tree.depths()], dtype=torch.long), device)
 
 
-def choose(logits: torch.Tensor, s: Sampling, positions: torch.Tensor) -> torch.Tensor:
+def choose(logits: torch.Tensor, s: Sampling, positions: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
     """The target's token at each of T positions: argmax when greedy, else the seeded sample.
-    logits (T, V); positions (T,) absolute positions of the tokens being chosen.
+    logits (T, V); positions (T,) absolute positions of the tokens being chosen; probs (T, V):
+    `sampling.transform(logits, s)` when the caller has it (top-p then skips its sort).
 
     A sample is Gumbel-max over the row's log-probabilities up to a constant, with counter-based
     noise (`kernels.gumbel_argmax`, one launch on CUDA): the scaled logits, with top-k as a floor
@@ -60,7 +69,8 @@ def choose(logits: torch.Tensor, s: Sampling, positions: torch.Tensor) -> torch.
         return logits.argmax(-1)
     key = sampling.stream_key(s.seed, sampling.STREAM_TARGET)
     if 0.0 < s.top_p < 1.0:
-        return ops.gumbel_argmax(torch.log(sampling.transform(logits, s)), 1.0, None, key, positions)
+        probs = sampling.transform(logits, s) if probs is None else probs
+        return ops.gumbel_argmax(torch.log(probs), 1.0, None, key, positions)
     if 0 < s.top_k < logits.shape[-1]:
         z = sampling.scaled_logits(logits, s)
         return ops.gumbel_argmax(z, 1.0, torch.topk(z, s.top_k, dim=-1).values[..., -1], key, positions)
@@ -95,8 +105,7 @@ def draft_tables(tree: TokenTree, vocab: int, committed_length: int, device) -> 
             idx += [0] * listed
             val += [0.0] * listed
         else:
-            unlisted = vocab - len(d.tokens)
-            fill.append(d.residual / unlisted if unlisted > 0 else 0.0)
+            fill.append(d.unlisted_prob(vocab))
             # padding repeats an entry already there, so the scatter writes nothing new
             pad = listed - len(d.tokens)
             idx += list(d.tokens) + [d.tokens[0] if d.tokens else 0] * pad
@@ -105,7 +114,7 @@ def draft_tables(tree: TokenTree, vocab: int, committed_length: int, device) -> 
     positions = [committed_length + d + 1 for d in tree.depths()]
     host = torch.cat([torch.tensor(fill + val, dtype=torch.float64).view(torch.int64),
                       torch.tensor(idx + child + positions, dtype=torch.int64)])
-    flat = host.to(device)
+    flat = _to_device(host, device)
     fill_d, val_d, idx_d, child_d, pos_d = torch.split(flat, [n, n * listed, n * listed, n * width, n])
     q = fill_d.view(torch.float64)[:, None].expand(n, vocab).clone()
     q.scatter_(1, idx_d.view(n, listed), val_d.view(torch.float64).view(n, listed))
@@ -139,8 +148,8 @@ def compute(logits: torch.Tensor, offsets: list[int], queries: list[NodeQuery]) 
         lo, hi = offsets[b], offsets[b + 1]
         if not q.sampling.greedy and q.tree.draft is not None:
             tables = draft_tables(q.tree, logits.shape[-1], q.committed_length, logits.device)
-            tokens[lo:hi] = choose(logits[lo:hi], q.sampling, tables.positions)
             probs = sampling.transform(logits[lo:hi], q.sampling)
+            tokens[lo:hi] = choose(logits[lo:hi], q.sampling, tables.positions, probs)
             walk_parts.append(node_outcomes(tables, probs, q.sampling.seed).flatten())
         elif not q.sampling.greedy:
             pos = next_positions(q.tree, q.committed_length, logits.device)

@@ -33,6 +33,7 @@ def test_gumbel_argmax(case):
 @gpu
 def test_gumbel_argmax_edges():
     cases.test_gumbel_argmax_of_a_strided_view_and_a_one_hot_floor(device="cuda")
+    cases.test_gumbel_argmax_excludes_minus_infinity(device="cuda")
     cases.test_gumbel_argmax_breaks_exact_ties_to_the_lower_index(device="cuda")
 
 
@@ -61,3 +62,22 @@ def test_walk_on_the_gpu_equals_the_walk_on_the_cpu():
         probs = probs / probs.sum(-1, keepdim=True)
         length, seed = rng.randrange(1 << 20), rng.randrange(1 << 40)
         assert multi_draft_walk(tree, probs.cuda(), length, seed) == multi_draft_walk(tree, probs, length, seed), t
+
+
+@gpu
+@pytest.mark.parametrize("top_logprobs", [0, 3])
+def test_results_on_the_gpu_equal_the_results_on_the_cpu(top_logprobs):
+    """`results.compute` on CUDA (kernels, pinned host-to-device copies) against the CPU (twins)."""
+    from tests.verifier.test_results import VOCAB, queries
+    from verifier_service import results
+
+    qs = queries(random.Random(top_logprobs), top_logprobs)
+    offsets = [0]
+    for q in qs:
+        offsets.append(offsets[-1] + q.tree.size)
+    logits = torch.randn(offsets[-1], VOCAB, generator=torch.Generator().manual_seed(2)) * 2
+    on_gpu = results.compute(logits.cuda(), offsets, qs)
+    on_cpu = results.compute(logits, offsets, qs)
+    for g, c in zip(on_gpu, on_cpu):
+        assert (g.target_tokens, g.walk) == (c.target_tokens, c.walk)
+        assert [ids for ids, _ in g.top_logprobs] == [ids for ids, _ in c.top_logprobs]

@@ -90,6 +90,18 @@ def test_gumbel_argmax_of_a_strided_view_and_a_one_hot_floor(device="cpu"):
     assert torch.equal(ga.gumbel_argmax(logits, 1.0, floor, 9, positions), logits.argmax(-1))
 
 
+def test_gumbel_argmax_excludes_minus_infinity(device="cpu"):
+    """Log-probabilities with zeros (top-p's input): a token at -inf is never drawn."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 40, generator=g)
+    logits[:, ::3] = float("-inf")
+    positions = torch.arange(64) * 7
+    want = ga.gumbel_argmax_ref(logits, 1.0, None, 5, positions)
+    got = ga.gumbel_argmax(logits.to(device), 1.0, None, 5, positions.to(device))
+    assert torch.equal(got.cpu(), want)
+    assert (want % 3 != 0).all()
+
+
 def test_gumbel_argmax_refuses_mismatched_shapes():
     logits = torch.randn(3, 10)
     with pytest.raises(ValueError, match="positions"):
@@ -101,13 +113,17 @@ def test_gumbel_argmax_refuses_mismatched_shapes():
 # ---- node acceptance ---------------------------------------------------------------------------
 def acceptance_inputs(kind: str, n: int, vocab: int, rng: random.Random, device="cpu", mode="mixed"):
     """p (N, V) float32, q (N, V) float64, children (N, M) for a tree of `kind`; `mode` sets how
-    close q is to p: 'equal' (every first child accepted), 'far' (most rejected), 'mixed'."""
+    close q is to p: 'equal' (every first child accepted), 'far' (most rejected), 'mixed', or
+    'half' (p = q / 2, unnormalised: a rejection leaves no residual mass, so p is kept)."""
     parents = make_parents(kind, n, rng)
     n = len(parents)
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     p = torch.softmax(torch.randn(n, vocab, generator=g) * 2, -1)
     if mode == "equal":
         q = p.double().clone()
+    elif mode == "half":
+        q = p.double().clone()
+        p = (q / 2).float()
     elif mode == "far":
         q = torch.softmax(torch.randn(n, vocab, generator=g) * 4, -1).double()
     else:
@@ -125,7 +141,8 @@ def acceptance_inputs(kind: str, n: int, vocab: int, rng: random.Random, device=
 
 ACCEPT_CASES = [(kind, n, vocab, mode) for kind in KINDS for n, vocab, mode in
                 [(7, 50, "mixed"), (12, 300, "far"), (5, 1100, "equal")]] + [("random", 16, 2049, "far"), ("star", 9, 3, "far"),
-                                                        ("chain", 4, 8200, "far")]  # the residual draw split in two
+                                                        ("chain", 4, 8200, "far"),  # the residual draw split in two
+                                                        ("star", 12, 40, "half"), ("bushy", 10, 300, "half")]
 
 
 @pytest.mark.parametrize("case", ACCEPT_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-{c[3]}")
@@ -174,7 +191,7 @@ def test_gumbel_argmax_breaks_exact_ties_to_the_lower_index(device="cpu"):
     want = ga.gumbel_argmax_ref(logits, 1.0, floor, key, torch.tensor([position]))
     assert want.item() == a
     at = torch.tensor([position], device=device)
-    for splits in (1, 2, None):  # one lane of one program; two programs; the default split
+    for splits in (1, 2, None):  # one lane of one program (twice: both in the second of two); apart
         got = ga.gumbel_max(logits.to(device), 1.0, floor.to(device), key, at, log_f64=False, splits=splits)
         assert got.item() == a, splits
 

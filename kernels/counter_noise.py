@@ -13,10 +13,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# the constants of treeserve.sampling, as signed int64
-_M1 = tl.constexpr(-4658895280553007687)  # 0xBF58476D1CE4E5B9
-_M2 = tl.constexpr(-7723592293110705685)  # 0x94D049BB133111EB
-_GOLDEN = tl.constexpr(-7046029254386353131)  # 0x9E3779B97F4A7C15
+from treeserve import sampling
+
+_M1 = tl.constexpr(sampling.MIX_M1)
+_M2 = tl.constexpr(sampling.MIX_M2)
+_GOLDEN = tl.constexpr(sampling.GOLDEN)
 
 
 @triton.jit

@@ -35,21 +35,25 @@ def _check(logits: torch.Tensor, floor: torch.Tensor | None, positions: torch.Te
         raise ValueError(f"gumbel_argmax: floor must be ({rows},), got {tuple(floor.shape)}")
 
 
+def gumbel_noise_ref(key: int, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(T, V) float64 Gumbel noise -log(-log(u)) of the counter-based uniforms at (key, position,
+    token): what both sampling kernels add, in PyTorch."""
+    from treeserve.sampling import uniforms_keyed
+
+    index = torch.arange(vocab, device=positions.device)[None, :]
+    return -torch.log(-torch.log(uniforms_keyed(key, positions.long()[:, None], index)))
+
+
 def gumbel_argmax_ref(logits: torch.Tensor, scale: float, floor: torch.Tensor | None, key: int,
                       positions: torch.Tensor) -> torch.Tensor:
     """logits (T, V) any float dtype; scale: the factor z = scale · logits (1 / temperature);
     floor (T,) float32 or None: z below it is excluded; key: `treeserve.sampling.stream_key`;
     positions (T,) int64 -> (T,) int64 tokens."""
-    from treeserve.sampling import uniforms_keyed
-
     _check(logits, floor, positions)
     z = logits.float() * torch.tensor(scale, dtype=torch.float32)
     if floor is not None:
         z = z.masked_fill(z < floor.float()[:, None], float("-inf"))
-    index = torch.arange(logits.shape[1], device=logits.device)[None, :]
-    u = uniforms_keyed(key, positions.long()[:, None], index)
-    g = (-torch.log(-torch.log(u))).float()
-    return (z + g).argmax(-1)
+    return (z + gumbel_noise_ref(key, positions, logits.shape[1]).float()).argmax(-1)
 
 
 # the key varies per call: no specialisation (a key of 1 would become a constant)

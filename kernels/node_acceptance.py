@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels.counter_noise import stream_mix, uniform
-from kernels.gumbel_argmax import gumbel_max
+from kernels.gumbel_argmax import gumbel_max, gumbel_noise_ref
 
 # a residual with less mass than this is rounding (p == q): p is kept as it is
 _TINY = tl.constexpr(1e-12)
@@ -83,8 +83,7 @@ def accept_nodes_ref(p: torch.Tensor, q: torch.Tensor, children: torch.Tensor, a
         q_left = q.scatter(1, at, 0.0)
         left = q_left.sum(-1, keepdim=True)
         q = torch.where(rejected, torch.where(left > 0.0, q_left / left, q_left), q)
-    g = -torch.log(-torch.log(uniforms_keyed(residual_key, positions[:, None], torch.arange(vocab, device=dev)[None, :])))
-    drawn = (torch.log(p) + g).argmax(-1)
+    drawn = (torch.log(p) + gumbel_noise_ref(residual_key, positions, vocab)).argmax(-1)
     token = torch.where(done, token, drawn)
     return torch.stack([chosen, token], dim=1)
 

@@ -26,9 +26,10 @@ def _signed(v: int) -> int:
     return v - (1 << 64) if v >= (1 << 63) else v
 
 
-_M1 = _signed(0xBF58476D1CE4E5B9)
-_M2 = _signed(0x94D049BB133111EB)
-_GOLDEN = _signed(0x9E3779B97F4A7C15)
+# splitmix64's constants as signed int64 (kernels/counter_noise.py hashes with the same)
+MIX_M1 = _signed(0xBF58476D1CE4E5B9)
+MIX_M2 = _signed(0x94D049BB133111EB)
+GOLDEN = _signed(0x9E3779B97F4A7C15)
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,9 @@ def scaled_logits(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
 def _mix(x: torch.Tensor) -> torch.Tensor:
     """splitmix64 finaliser on int64 tensors (wrapping arithmetic, logical shifts)."""
     x = x ^ ((x >> 30) & ((1 << 34) - 1))
-    x = x * _M1
+    x = x * MIX_M1
     x = x ^ ((x >> 27) & ((1 << 37) - 1))
-    x = x * _M2
+    x = x * MIX_M2
     x = x ^ ((x >> 31) & ((1 << 33) - 1))
     return x
 
@@ -109,9 +110,9 @@ def stream_key(seed: int, stream: int) -> int:
 def _hash(key: torch.Tensor | int, positions: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """int64 hash of (stream key, position, index); the key (an int or a 0-d/1-element int64
     tensor), positions and index broadcast."""
-    key = _mix(torch.zeros_like(positions) + key + _GOLDEN)
-    x = _mix(key ^ (positions * _GOLDEN))
-    return _mix(x + index * _M1)
+    key = _mix(torch.zeros_like(positions) + key + GOLDEN)
+    x = _mix(key ^ (positions * GOLDEN))
+    return _mix(x + index * MIX_M1)
 
 
 def uniforms_keyed(key: torch.Tensor | int, positions: torch.Tensor, index: torch.Tensor | int = 0) -> torch.Tensor:

@@ -51,9 +51,15 @@ def _to_device(host: torch.Tensor, device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def _next_positions(tree: TokenTree, committed_length: int) -> list[int]:
+    """The absolute position each node's target token is chosen for (and its children are
+    candidates for): L + depth + 1."""
+    return [committed_length + 1 + d for d in tree.depths()]
+
+
 def next_positions(tree: TokenTree, committed_length: int, device) -> torch.Tensor:
-    """(N,) int64: the absolute position each node's target token is chosen for."""
-    return _to_device(torch.tensor([committed_length + 1 + d for d in tree.depths()], dtype=torch.long), device)
+    """(N,) int64 on `device`: `_next_positions`."""
+    return _to_device(torch.tensor(_next_positions(tree, committed_length), dtype=torch.long), device)
 
 
 def choose(logits: torch.Tensor, s: Sampling, positions: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
@@ -111,9 +117,8 @@ def draft_tables(tree: TokenTree, vocab: int, committed_length: int, device) -> 
             idx += list(d.tokens) + [d.tokens[0] if d.tokens else 0] * pad
             val += list(d.probs) + [d.probs[0] if d.tokens else fill[-1]] * pad
         child += [tree.tokens[c] for c in kids[i]] + [-1] * (width - len(kids[i]))
-    positions = [committed_length + d + 1 for d in tree.depths()]
     host = torch.cat([torch.tensor(fill + val, dtype=torch.float64).view(torch.int64),
-                      torch.tensor(idx + child + positions, dtype=torch.int64)])
+                      torch.tensor(idx + child + _next_positions(tree, committed_length), dtype=torch.int64)])
     flat = _to_device(host, device)
     fill_d, val_d, idx_d, child_d, pos_d = torch.split(flat, [n, n * listed, n * listed, n * width, n])
     q = fill_d.view(torch.float64)[:, None].expand(n, vocab).clone()

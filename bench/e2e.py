@@ -13,8 +13,9 @@ each temperature, by:
            the orchestrator's step logic, no RPC             static STree-13, dynamic at each
                                                              budget, n-gram
   grpc     the orchestrator's engine loop in this process,   plain, chain, dynamic, dynamic with
-           `treeserve verifier` + `treeserve drafter` as     draft-ahead
-           child processes over gRPC
+           `treeserve verifier` + `treeserve drafter` as     draft-ahead, and the server default
+           child processes over gRPC                         (no speculation settings: adaptive
+                                                             budget, the drafter's default shape)
 
 Reported per (method, path, temperature): tokens/s (wall time, prefill included), tau = tokens
 emitted per target forward after the prefill (accepted drafts plus the bonus token), tree nodes per
@@ -73,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-budget", type=int, default=16)
     p.add_argument("--grpc-budget", type=int, default=16, help="budget of the dynamic tree on the gRPC path")
     p.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="which paths to run")
+    p.add_argument("--methods", nargs="+", default=None, metavar="NAME",
+                   help="run only the rows of these names (as the table prints them, e.g. dynamic-16 'server "
+                        "default'); each chosen path's plain row always runs, the others are compared to it")
     p.add_argument("--warmup-tokens", type=int, default=None,
                    help="untimed tokens per method before its timed runs (default 16 on cuda, 0 on cpu): "
                         "kernel compilation and graph capture stay out of the timings")
@@ -107,9 +111,15 @@ def plan_methods(args: argparse.Namespace) -> list[Method]:
         b = args.grpc_budget
         out += [Method("plain", "grpc"), Method(f"chain-{L}", "grpc", "chain", L + 1, L),
                 Method(f"dynamic-{b}", "grpc", "dynamic", b, depth),
-                Method(f"dynamic-{b} +ahead", "grpc", "dynamic", b, depth, draft_ahead=True)]
+                Method(f"dynamic-{b} +ahead", "grpc", "dynamic", b, depth, draft_ahead=True),
+                Method("server default", "grpc", "dynamic", 0, 0, adaptive=True)]
     if "hf" in args.paths:
         out += [Method("transformers", "hf")]
+    if args.methods:
+        unknown = set(args.methods) - {m.name for m in out}
+        if unknown:
+            raise SystemExit(f"--methods: no row named {', '.join(sorted(unknown))} on the chosen paths")
+        out = [m for m in out if m.name in args.methods or m.name == "plain"]
     for m in out:
         if m.budget > TREE_CAP:
             raise SystemExit(f"{m.name}: budget {m.budget} exceeds the tree limit {TREE_CAP}")
@@ -154,6 +164,7 @@ def summarise(method: Method, temperature: float, traces: list[Trace]) -> dict:
         "method": method.name, "path": method.path, "temperature": temperature,
         "shape": method.shape or ("plain" if method.path != "hf" else "transformers"),
         "budget": method.budget, "depth": method.depth, "draft_ahead": method.draft_ahead,
+        "adaptive": method.adaptive, "steps_without_draft": sum(n == 1 for n in nodes),
         "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
         "target_forwards": steps + len(traces),  # the prefills included
         "steps": steps, "tau": sum(emitted) / steps if steps else 0.0,
@@ -170,7 +181,8 @@ def summarise(method: Method, temperature: float, traces: list[Trace]) -> dict:
 
 def failed_row(method: Method, temperature: float, error: str) -> dict:
     return {"method": method.name, "path": method.path, "temperature": temperature, "shape": method.shape,
-            "budget": method.budget, "depth": method.depth, "draft_ahead": method.draft_ahead, "error": error}
+            "budget": method.budget, "depth": method.depth, "draft_ahead": method.draft_ahead,
+            "adaptive": method.adaptive, "error": error}
 
 
 def _find(rows: list[dict], path: str, temperature: float, shape: str) -> Optional[dict]:
@@ -273,6 +285,9 @@ def notes(result: dict) -> list[str]:
             rate = r.get("ahead_hit_rate")
             out.append(f"{r['method']} ({r['path']}, T={r['temperature']:g}): draft-ahead served "
                        f"{r['ahead_hits']}/{r['trees']} trees" + (f" (hit rate {rate:.0%})" if rate is not None else ""))
+        if r.get("adaptive") and not r.get("error"):
+            out.append(f"{r['method']} ({r['path']}, T={r['temperature']:g}): the adaptive policy verified one-node "
+                       f"trees (no draft) on {r['steps_without_draft']}/{r['steps']} steps")
     fails = lossless_failures(result["rows"])
     checked = [r for r in result["rows"] if r["path"] != "hf" and r.get("equal_to_plain") is not None]
     if checked:

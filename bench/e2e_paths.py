@@ -27,7 +27,10 @@ NO_EOS: frozenset[int] = frozenset()
 
 @dataclass(frozen=True)
 class Method:
-    """One row of the benchmark. shape None: plain decoding (one-node trees, speculation off)."""
+    """One row of the benchmark. shape None: plain decoding (one-node trees, speculation off).
+    adaptive (gRPC only): the request names no speculation settings at all, as a client that leaves
+    them to the server does, so the engine's adaptive policy picks each step's budget (or none) and
+    the drafter its default shape; `shape` then names that default, and `budget` is 0."""
 
     name: str
     path: str  # "hf", "inproc" or "grpc"
@@ -35,6 +38,7 @@ class Method:
     budget: int = 1  # nodes per tree, root included
     depth: int = 0  # most draft tokens on one path
     draft_ahead: bool = False
+    adaptive: bool = False
 
     @property
     def speculative(self) -> bool:
@@ -192,7 +196,9 @@ class GrpcPath:
         from orchestrator.request import RequestSpec, Speculation
         from drafter_service.servicer import SHAPE_ENUMS
 
-        if method.speculative:
+        if method.adaptive:
+            sp = Speculation()  # every default: what a request that names nothing gets
+        elif method.speculative:
             mode = "chain" if method.shape == "chain" else "tree"
             sp = Speculation(mode=mode, shape=SHAPE_ENUMS[method.shape], node_budget=method.budget,
                              max_depth=method.depth, draft_ahead=method.draft_ahead, adaptive=False)

@@ -20,14 +20,23 @@ a token of another sequence, and the same formula turns speculation off.
   the nodes of the whole batch (least squares with forgetting), so large batches, where every
   extra node costs real compute, naturally push the choice towards 1; the overhead (drafting,
   RPCs) is measured separately for speculative and plain steps.
-- Every `probe_every` steps the request tries a neighbour of its best budget (alternately one
+- Every `probe_every` steps the request may try a neighbour of its best budget (alternately one
   larger and one smaller) so the estimates stay current; while speculation is off it tries the
   best-scoring budget above 1 instead, because drafting has a fixed cost per step (a drafter
   RPC, a draft-model forward per tree level): budget 2 may not pay where 8 does, so probing only
-  2 could keep speculation off for good. This bounds the cost of exploring to a small fraction of
-  the steps. During the first `warmup` steps it probes every other step: until the batch has
-  verified different node counts the cost slope is unknown (assumed flat). Each request probes
-  at its own `phase`, so a large batch does not probe all at once.
+  2 could keep speculation off for good. During the first `warmup` steps the cadence is every
+  other step: until the batch has verified different node counts the cost slope is unknown
+  (assumed flat). Each request probes at its own `phase`, so a large batch does not probe all at
+  once.
+- A probe is taken only when the engine can afford it (`CostModel.afford`). Every step the engine
+  verifies earns credit, `explore` times its measured time; a probe spends its estimated loss
+  against the best budget: its step time less the time the best budget needs for the tokens the
+  probe is expected to emit. So probing costs the engine at most about `explore` of its time, by
+  the estimates, however many requests share a step, and short requests that could not afford a
+  probe alone pay for one between them. A probe the estimates call as good as the best is free.
+  Without this, a drafter that costs several plain steps per tree made every probe expensive: the
+  medium pair's default requests ran at 0.55x plain decoding on a GPU while leaving speculation
+  off on 9 steps in 10 (BENCHMARKS.md, twenty-eighth round).
 """
 from __future__ import annotations
 
@@ -46,9 +55,15 @@ def allowed_budgets(cap: int) -> tuple[int, ...]:
 
 @dataclass
 class CostModel:
-    """Step cost in ms as a function of the nodes verified in the batch (per engine)."""
+    """Step cost in ms as a function of the nodes verified in the batch (per engine), and the
+    credit for probes that the engine's time earns. `explore`: the share of the engine's time
+    that probes may lose; the credit decays by `credit_decay` a step, so time spent without
+    probing (plain traffic, a long spell of speculation off) cannot pay for a burst of them."""
 
     decay: float = 0.97
+    explore: float = 0.05
+    credit_decay: float = 0.999
+    credit: float = 0.0  # estimated ms of loss that probes may still spend
     # decayed sums for the least-squares fit of forward_ms = a + c * nodes
     _w: float = 0.0
     _n: float = 0.0
@@ -64,6 +79,7 @@ class CostModel:
         self._nn = d * self._nn + nodes * nodes
         self._y = d * self._y + forward_ms
         self._ny = d * self._ny + nodes * forward_ms
+        self.credit = self.credit_decay * self.credit + self.explore * step_ms
         over = max(0.0, step_ms - forward_ms)
         prev = self._overhead[speculative]
         self._overhead[speculative] = over if prev is None else 0.8 * prev + 0.2 * over
@@ -82,6 +98,14 @@ class CostModel:
     def forward_ms(self, nodes: int) -> float:
         a, c = self.fit()
         return a + c * nodes
+
+    def afford(self, loss_ms: float) -> bool:
+        """Spend the credit on a probe expected to lose `loss_ms` against the best choice, if it
+        covers it (a probe expected to lose nothing is free)."""
+        if loss_ms > self.credit:
+            return False
+        self.credit -= max(0.0, loss_ms)
+        return True
 
     def step_ms(self, nodes: int, speculative: bool) -> float:
         over = self._overhead[speculative]
@@ -142,23 +166,33 @@ class AdaptivePolicy:
             self.best = self.start
             return self.start
         speculative = other_nodes > other_tokens  # does the rest of the batch speculate?
-        scores = {b: (self.estimate(b, shared) + other_tokens)
-                  / max(1e-6, cost.step_ms(other_nodes + b, speculative or b > 1)) for b in self.budgets}
+
+        def step_ms(b: int) -> float:
+            return max(1e-6, cost.step_ms(other_nodes + b, speculative or b > 1))
+
+        def tokens(b: int) -> float:
+            return self.estimate(b, shared) + other_tokens
+
+        scores = {b: tokens(b) / step_ms(b) for b in self.budgets}
         rank = lambda b: (scores[b], -b)  # the best score; on a tie, the smaller budget
         self.best = max(self.budgets, key=rank)
         every = 2 if self.steps <= self.warmup else self.probe_every
         if every and (self.steps + self.phase) % every == 0 and len(self.budgets) > 1:
-            if self.best == 1:  # off: re-check the most promising tree, not just the smallest
-                return max(self.budgets[1:], key=rank)
-            return self._neighbour(self.best)
+            # off: re-check the most promising tree, not just the smallest
+            probe = max(self.budgets[1:], key=rank) if self.best == 1 else self._neighbour(self.best)
+            if cost.afford(step_ms(probe) - tokens(probe) / scores[self.best]):
+                if self.best != 1:
+                    self._probe_up = not self._probe_up
+                return probe
         return self.best
 
     def _neighbour(self, b: int) -> int:
+        """The next neighbour of `b` to probe: alternately one larger and one smaller (at the ends,
+        the only one there is)."""
         i = self.budgets.index(b)
         up = i + 1 < len(self.budgets)
         down = i > 0
         go_up = (self._probe_up and up) or not down
-        self._probe_up = not self._probe_up
         return self.budgets[i + 1] if go_up else self.budgets[i - 1]
 
     def observe(self, budget: int, emitted: int, shared: AcceptanceTable | None = None) -> None:

@@ -91,12 +91,22 @@ class ChildPicker:
     def reports_dists(self) -> bool:
         return self.rule is PickRule.DRAWN
 
-    def ranking_probs(self, logits: torch.Tensor) -> torch.Tensor:
+    @property
+    def steps(self) -> sampling.TransformSteps | None:
+        """The truncations the picker's transform applies (None: greedy ranks by the plain softmax).
+        With the rule, the support and the columns, all that a captured growth depends on: the
+        transform's values can come in a device tensor (`pick_tensors`)."""
+        return None if self.rule is PickRule.GREEDY else self.sampling.steps
+
+    def ranking_probs(self, logits: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
         """(n, K) logits -> (n, K) float32 probabilities over the same columns, used to rank
-        candidates (and to predict outcomes for draft-ahead)."""
+        candidates (and to predict outcomes for draft-ahead). values: `sampling.transform_values`
+        of settings with the picker's `steps`, on the logits' device (None: the picker's own)."""
         if self.rule is PickRule.GREEDY:
             return torch.softmax(logits.float(), dim=-1)
-        return sampling.transform(logits, self.sampling)
+        if values is None:
+            return sampling.transform(logits, self.sampling)
+        return sampling.transform_by(logits, values, self.steps)
 
     def pick(self, logits: torch.Tensor, k: int, position: int, salts: Sequence[int]) -> list[Children]:
         """logits (n, K); k: most children per node; position: the tree's committed length (keys the
@@ -131,22 +141,25 @@ class ChildPicker:
         return out
 
     def pick_tensors(self, logits: torch.Tensor, k: int, position: torch.Tensor | None, salts: torch.Tensor | None,
-                     stream_key: torch.Tensor | int) -> "Picked":
+                     stream_key: torch.Tensor | int, values: torch.Tensor | None = None) -> "Picked":
         """The children of n nodes as device tensors, with no host synchronisation (a CUDA graph can
         hold it). logits (n, K) over the head's columns; position (1,) int64 the tree's committed
         length; salts (n,) int64 distinct per-node ids; stream_key: `sampling.stream_key(seed,
-        STREAM_DRAFT)`, an int or an int64 tensor. Only draws read position, salts and stream_key."""
+        STREAM_DRAFT)`, an int or an int64 tensor; values: as `ranking_probs`. Only draws read
+        position, salts and stream_key."""
         width = logits.shape[-1]
         if self.rule is PickRule.DRAWN:
-            return self._draw(logits, k, position, salts, stream_key)
-        probs = self.ranking_probs(logits)
+            return self._draw(logits, k, position, salts, stream_key, values)
+        probs = self.ranking_probs(logits, values)
         top_p, top_c = torch.topk(probs, min(k, width), dim=-1)
         return Picked(self._tokens(top_c), top_p)
 
-    def draft_distribution(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_distribution(self, logits: torch.Tensor,
+                           values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The q that DRAWN samples from, per row: (n, m) token ids and (n, m) float32 probs
-        (zero-padded where a row's support is smaller than m), largest first. Rows sum to 1."""
-        q = sampling.transform(logits, self.sampling)
+        (zero-padded where a row's support is smaller than m), largest first. Rows sum to 1.
+        values: as `ranking_probs`."""
+        q = self.ranking_probs(logits, values)
         m = min(self.support, q.shape[-1])
         probs, cols = torch.topk(q, m, dim=-1)
         probs = probs.double()
@@ -157,8 +170,8 @@ class ChildPicker:
         return cols.long() if self.columns is None else self.columns.to_tokens(cols)
 
     def _draw(self, logits: torch.Tensor, k: int, position: torch.Tensor, salts: torch.Tensor,
-              stream_key: torch.Tensor | int) -> "Picked":
-        tokens, probs = self.draft_distribution(logits)
+              stream_key: torch.Tensor | int, values: torch.Tensor | None) -> "Picked":
+        tokens, probs = self.draft_distribution(logits, values)
         # noise index: (node, token id); the id space, not the column count, so that the noise of a
         # token does not depend on which other tokens the head keeps
         vocab = logits.shape[-1] if self.columns is None else self.columns.vocab_size

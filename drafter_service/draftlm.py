@@ -39,7 +39,7 @@ from treeserve import sampling
 from treeserve.errors import InvalidArgument, ResourceExhausted
 from treeserve.tree import TokenTree
 
-# Most growth tables a draft model keeps, one per (budget, depth, pick rule, sampling transform).
+# Most growth tables a draft model keeps, one per (budget, depth, pick rule, support, transform steps).
 # With CUDA graphs the first MAX_GROWTHS shapes get graphs for the model's life and later shapes take
 # the host loop, so requests cannot make the drafter capture again and again; eagerly, the least
 # recently used table is dropped.
@@ -129,7 +129,8 @@ class DraftModel:
         The drafter runs one tree at a time, so the runner's shared stash is sized for one tree of
         the largest node bucket, not for a batch of every slot; with capture, every single-tree
         bucket is captured now. The graphs of a dynamic tree's growth (`grow`) are captured at the
-        first tree of each budget, depth and sampling transform (at most `MAX_GROWTHS` shapes),
+        first tree of each budget, depth and pick rule (with its support and its transform's steps:
+        whether top-k and top-p apply, not their values; at most `MAX_GROWTHS` shapes),
         under `models.graphs.CAPTURE_LOCK`, which every device step of this model and of its
         callers' pickers holds (`exclusive`), so no drafter work runs beside a capture."""
         from models.graphs import NODE_BUCKETS
@@ -236,6 +237,7 @@ class DraftModel:
                 self._stash = VerifyStash(self.lm.pool, growth.shape.nodes, self.lm.dtype)
             key = sampling.stream_key(picker.sampling.seed, sampling.STREAM_DRAFT)
             growth.inputs.copy_(torch.tensor([root, length, slot, key], dtype=torch.int64), non_blocking=True)
+            growth.values.copy_(sampling.transform_values(picker.sampling), non_blocking=True)
             step.reset()
             for _ in range(depth):
                 still_wanted()
@@ -350,10 +352,9 @@ class DraftModel:
 
 
 def _growth_key(budget: int, depth: int, picker: ChildPicker) -> tuple:
-    """What a growth's graphs depend on: its shape and its picker's rule and transform (not the
-    seed, which each run passes as a device tensor)."""
-    s = picker.sampling
-    return (budget, depth, picker.rule, picker.support, s.temperature, s.top_k, s.top_p)
+    """What a growth's graphs depend on: its shape and its picker's rule, support and transform
+    steps (not the seed or the transform's values, which each run passes in device tensors)."""
+    return (budget, depth, picker.rule, picker.support, picker.steps)
 
 
 class _EagerSteps:

@@ -36,13 +36,18 @@ class Growth:
     `Shape` on one device.
 
     `reset` starts a run from `inputs` (root, committed length, slot, stream key), which the caller
-    fills with one copy; `level` runs one level and leaves the frontier's size in `frontier_count`;
-    `read` brings the result to the host. `level` launches only device work whose shapes
-    depend on the `Shape` alone, so it can be captured once and replayed for every run of it."""
+    fills with one copy, and with the sampling settings' `transform_values` in `values` (pickers
+    that transform); `level` runs one level and leaves the frontier's size in `frontier_count`;
+    `read` brings the result to the host. `level` launches only device work whose shapes depend on
+    the `Shape` and the picker's rule, support and transform steps alone, so it can be captured once
+    and replayed for every run of it, whatever its seed, temperature, top-k or top-p."""
 
     def __init__(self, shape: Shape, picker: ChildPicker, forward: Forward, device: torch.device):
         self.shape, self.picker, self.forward = shape, picker, forward
         self.tables = GrowthTables(shape, device)
+        # sampling.transform_values; until a run's copy, a valid setting (temperature 1, top-1, top-p 1)
+        # for the warm-up that a capture runs
+        self.values = torch.ones(3, dtype=torch.float32, device=device)
 
     @property
     def inputs(self) -> torch.Tensor:
@@ -60,7 +65,7 @@ class Growth:
         """One level: forward over the selected tree, children of the frontier, new selection."""
         t = self.tables
         logits = self.forward(t.tree_tokens, t.tree_positions, t.tree_parents, t.rows)
-        picked = self.picker.pick_tensors(logits, self.shape.k, t.committed_length, t.fkey, t.inputs[3:4])
+        picked = self.picker.pick_tensors(logits, self.shape.k, t.committed_length, t.fkey, t.inputs[3:4], self.values)
         ops.grow_level(t, picked.tokens, picked.probs, picked.draw_order)
 
     # ---- results --------------------------------------------------------------------------------

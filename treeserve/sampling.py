@@ -45,6 +45,12 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @property
+    def steps(self) -> "TransformSteps":
+        """Which truncations `transform` applies (what a captured graph of it depends on; the
+        values themselves can come from a device tensor, `transform_values`)."""
+        return TransformSteps(top_k=self.top_k > 0, top_p=0.0 < self.top_p < 1.0)
+
     def validate(self) -> "Sampling":
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -64,21 +70,56 @@ class Sampling:
         return pb.SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
 
 
+@dataclass(frozen=True)
+class TransformSteps:
+    """Which truncations a non-greedy transform applies: top-k (top_k > 0), top-p (0 < top_p < 1)."""
+
+    top_k: bool
+    top_p: bool
+
+
 def transform(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k, then top-p.
     Greedy settings give a one-hot at the argmax (ties: lowest index, like torch.argmax)."""
     if s.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = scaled_logits(logits, s)
-    if 0 < s.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
+    return _truncated(logits, 1.0 / s.temperature, s.top_k, s.top_p, s.steps)
+
+
+def transform_values(s: Sampling) -> torch.Tensor:
+    """(3,) float32 on the CPU: 1 / temperature, top_k and top_p, as `transform_by` reads them
+    (zeros for greedy settings, which have no transform to apply). float32 holds top_k exactly."""
+    if s.greedy:
+        return torch.zeros(3, dtype=torch.float32)
+    return torch.tensor([1.0 / s.temperature, s.top_k, s.top_p], dtype=torch.float32)
+
+
+def transform_by(logits: torch.Tensor, values: torch.Tensor, steps: TransformSteps) -> torch.Tensor:
+    """`transform` of non-greedy settings with their values in a device tensor (`transform_values`)
+    and only their `steps` fixed: no host synchronisation, so one CUDA graph serves every
+    temperature, top-k and top-p with these steps. The same probabilities as `transform`, bit for bit."""
+    return _truncated(logits, values[0], values[1], values[2], steps)
+
+
+def _truncated(logits: torch.Tensor, scale, top_k, top_p, steps: TransformSteps) -> torch.Tensor:
+    """Scale, top-k, softmax, top-p; the values are Python numbers or 0-d float32 tensors. Python
+    scalars meet float32 tensors as float32 values, so both give the same bits."""
+    logits = logits.float() * scale
+    width = logits.shape[-1]
+    if steps.top_k and isinstance(top_k, int):
+        if top_k < width:
+            kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+    elif steps.top_k:  # the k-th largest by sorting (topk needs k on the host); k >= width masks nothing
+        at = (top_k.long().clamp(1, width) - 1).expand(*logits.shape[:-1], 1)
+        kth = torch.sort(logits, dim=-1, descending=True).values.gather(-1, at)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if 0.0 < s.top_p < 1.0:
+    if steps.top_p:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it < top_p
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-        keep_sorted = before < s.top_p
+        keep_sorted = before < top_p
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
         probs = torch.where(keep, probs, torch.zeros_like(probs))
         probs = probs / probs.sum(-1, keepdim=True)

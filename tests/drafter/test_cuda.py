@@ -125,3 +125,40 @@ def test_trees_grown_in_graphs_equal_the_host_loop(pair, demo_prompt, rule):
         state.release()
     assert not graphed.lm.graphs.failures, graphed.lm.graphs.failures
     assert all(type(steps).__name__ == "_GraphSteps" for _, steps in graphed._growths.values())
+
+
+def test_one_captured_growth_serves_every_temperature_top_k_and_top_p(pair, demo_prompt):
+    """Requests that differ in temperature, top-k, top-p and seed but not in which truncations
+    apply replay one captured growth; each grows the host loop's tree, and the transform with its
+    values in a device tensor is the transform itself, bit for bit, on CUDA."""
+    from drafter_service import draftlm
+    from drafter_service.children import ChildPicker, PickRule
+    from drafter_service.dynamic import DynamicProposer
+    from drafter_service.state import DraftState
+    from treeserve import sampling
+    from treeserve.sampling import Sampling
+
+    graphed = pair[1]
+    settings = [Sampling(temperature=t, top_k=k, top_p=p, seed=i)
+                for i, (t, k, p) in enumerate([(1.0, 20, 0.9), (0.4, 5, 0.6), (1.6, 200, 0.99)])]
+    logits = torch.randn(16, 4000, device="cuda") * 6
+    for s in settings:
+        values = sampling.transform_values(s).cuda()
+        assert torch.equal(sampling.transform_by(logits, values, s.steps), sampling.transform(logits, s))
+    budget, depth = 12, 5
+    keys = {draftlm._growth_key(budget, depth, ChildPicker(s, PickRule.DRAWN)) for s in settings}
+    assert len(keys) == 1
+    for s in settings:
+        picker = ChildPicker(s, PickRule.DRAWN)
+        state = DraftState.open("v", demo_prompt[:-1], s, picker, graphed)
+        proposer = DynamicProposer()
+        try:
+            grown = proposer.propose(state, demo_prompt[-1], budget, depth)
+            plain = proposer.propose_on_host(state, demo_prompt[-1], budget, depth)
+            assert (grown.tree.tokens, grown.tree.parents) == (plain.tree.tokens, plain.tree.parents)
+            assert grown.logp == pytest.approx(plain.logp, abs=1e-4)
+        finally:
+            state.release()
+    growth, steps = graphed._growths[keys.pop()]
+    assert type(steps).__name__ == "_GraphSteps" and growth.picker.sampling == settings[0]
+    assert not graphed.lm.graphs.failures, graphed.lm.graphs.failures

@@ -42,6 +42,40 @@ def test_grown_tree_equals_host_loop(draft_model, prompt, sampling, rule, budget
         state.release()
 
 
+SAME_STEPS = [
+    [(Sampling(temperature=1.0, seed=11), PickRule.DRAWN), (Sampling(temperature=0.45, seed=3), PickRule.DRAWN),
+     (Sampling(temperature=1.7, seed=4), PickRule.DRAWN)],
+    [(Sampling(temperature=0.8, top_k=40, top_p=0.9, seed=5), PickRule.RANKED),
+     (Sampling(temperature=1.3, top_k=3, top_p=0.5, seed=6), PickRule.RANKED)],
+    [(Sampling(temperature=0.6, top_k=7, seed=12), PickRule.DRAWN),
+     (Sampling(temperature=1.1, top_k=1000, seed=13), PickRule.DRAWN)],  # top_k past the vocabulary
+]
+
+
+@pytest.mark.parametrize("settings", SAME_STEPS, ids=["drawn", "ranked-top-k-top-p", "drawn-top-k"])
+def test_one_growth_serves_every_value_of_its_transform(draft_model, prompt, settings):
+    """Settings that differ only in temperature, top-k, top-p and seed share one growth table (its
+    graphs, when captured), built for the first of them; each still grows the host loop's tree."""
+    from drafter_service import draftlm
+
+    budget, depth = 9, 4
+    keys = {draftlm._growth_key(budget, depth, ChildPicker(s, rule)) for s, rule in settings}
+    assert len(keys) == 1
+    for sampling, rule in settings:
+        picker = ChildPicker(sampling, rule)
+        proposer = DynamicProposer()
+        state = DraftState.open("v", prompt[:-1], sampling, picker, draft_model)
+        try:
+            grown = proposer.propose(state, prompt[-1], budget, depth)
+            plain = proposer.propose_on_host(state, prompt[-1], budget, depth)
+            assert (grown.tree.tokens, grown.tree.parents) == (plain.tree.tokens, plain.tree.parents)
+            assert grown.logp == pytest.approx(plain.logp, abs=1e-5)
+        finally:
+            state.release()
+    growth, _ = draft_model._growths[keys.pop()]
+    assert growth.picker.sampling == settings[0][0]  # built once, for the first
+
+
 def test_grown_tree_commits_its_last_level(draft_model, prompt):
     """After growing, a path of the last level's tree is committed without a forward pass, and the
     state then equals one that decoded those tokens one by one."""

@@ -42,8 +42,8 @@ from treeserve.tree import TokenTree
 # Most growth tables a draft model keeps, one per (budget, depth, pick rule, support, transform steps).
 # With CUDA graphs the first MAX_GROWTHS shapes get graphs for the model's life and later shapes take
 # the host loop, so requests cannot make the drafter capture again and again; eagerly, the least
-# recently used table is dropped.
-MAX_GROWTHS = 16
+# recently used table is dropped. A drafter captures a dozen at start-up (`prepare_growths`).
+MAX_GROWTHS = 24
 
 @dataclass
 class Verified:
@@ -217,6 +217,29 @@ class DraftModel:
         runner = self.lm.graphs
         captured = runner is not None and runner.capture
         return not captured or _growth_key(budget, depth, picker) in self._growths or len(self._growths) < MAX_GROWTHS
+
+    @property
+    def captures_growths(self) -> bool:
+        """Whether growths are captured as CUDA graphs (else they run eagerly)."""
+        runner = self.lm.graphs
+        return runner is not None and runner.capture
+
+    def prepare_growths(self, shapes: Sequence[tuple[int, int]], pickers: Sequence[ChildPicker]) -> int:
+        """Build the growth of every (budget, depth) in `shapes` for every picker now (capturing its
+        graphs where growths are captured), so that the first trees of those shapes do not wait for
+        a capture: about a second each on an H100, holding every drafting thread (BENCHMARKS.md,
+        twenty-eighth round). Shapes `can_grow` refuses are skipped. Returns how many were built."""
+        built = 0
+        with self._call():
+            for budget, depth in shapes:
+                for picker in pickers:
+                    picker = picker.bind(self.head)
+                    depth_ = min(depth, budget - 1)
+                    if self.can_grow(budget, depth, picker) and _growth_key(budget, depth_, picker) not in self._growths:
+                        self._growth(budget, depth_, picker)
+                        built += 1
+        self.forward_ms = 0.0  # start-up work is not drafting time
+        return built
 
     def grow(self, slot: int, root: int, budget: int, depth: int, picker: ChildPicker,
              still_wanted: Callable[[], None]) -> tuple[Draft, Verified]:

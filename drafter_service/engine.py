@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 from drafter_service.ahead import AheadConfig, Prepared, Round, Worker, key_of
 from drafter_service.chain import ChainProposer
-from drafter_service.children import DEFAULT_SUPPORT, ChildPicker, rule_for
+from drafter_service.children import DEFAULT_SUPPORT, ChildPicker, PickRule, rule_for
 from drafter_service.draftlm import DraftModel
 from drafter_service.dynamic import DynamicProposer
 from drafter_service.fused import FusedProposer
@@ -46,6 +46,9 @@ from treeserve.tree import TokenTree
 log = logging.getLogger("treeserve.drafter")
 
 SHAPES = ("dynamic", "static", "chain", "ngram", "fused")
+# Node budgets whose growths a drafter with captured graphs prepares at start-up (besides its default
+# budget): the powers of two the orchestrator's adaptive policy chooses from (up to its cap of 32).
+PREPARED_BUDGETS = (2, 4, 8, 16, 32)
 MAX_SEQUENCE_ID_BYTES = 128
 _TOKEN_LIMIT = 2**31  # token ids travel as int32
 
@@ -141,6 +144,8 @@ class Drafter:
             self.proposers.update(chain=ChainProposer(), static=StaticProposer(static_table), dynamic=dynamic,
                                   fused=FusedProposer(ngram, dynamic))
         self.defaults = self._check(defaults)
+        if model is not None and model.captures_growths:
+            self._prepare_growths()
         self.ahead = ahead if model is not None else None
         self.worker = Worker(model.gate) if self.ahead is not None else None
         self.metrics = DrafterMetrics(self.strategy)
@@ -150,6 +155,23 @@ class Drafter:
         self._sweeper = None
         if idle_timeout_s > 0 and background_sweep:
             self._sweeper = Sweeper(self.sweep, sweep_interval(idle_timeout_s))
+
+    def _prepare_growths(self) -> None:
+        """Capture now the growths that the first requests of the default tree shape will ask for:
+        at its depth limit, its node budget and `PREPARED_BUDGETS`, greedy and sampled with a
+        temperature alone (one capture serves every temperature; top-k and top-p take one more
+        capture each on first use)."""
+        d = self.defaults
+        if d.shape not in ("dynamic", "fused"):
+            return
+        sampled = Sampling(temperature=1.0)
+        pickers = [ChildPicker(Sampling(), PickRule.GREEDY, self.support),
+                   ChildPicker(sampled, rule_for(sampled, with_dists=d.shape != "fused"), self.support)]
+        budgets = sorted({b for b in PREPARED_BUDGETS if b <= self.max_nodes} | {d.node_budget})
+        t0 = time.perf_counter()
+        built = self.model.prepare_growths([(b, d.max_depth) for b in budgets], pickers)
+        log.info("captured %d draft-tree growths (budgets %s, depth %d) in %.1f s", built, budgets, d.max_depth,
+                 time.perf_counter() - t0)
 
     @property
     def strategy(self) -> str:

@@ -162,3 +162,33 @@ def test_one_captured_growth_serves_every_temperature_top_k_and_top_p(pair, demo
     growth, steps = graphed._growths[keys.pop()]
     assert type(steps).__name__ == "_GraphSteps" and growth.picker.sampling == settings[0]
     assert not graphed.lm.graphs.failures, graphed.lm.graphs.failures
+
+
+def test_a_drafter_captures_its_default_growths_at_start_up(pair, demo_prompt, monkeypatch):
+    """A drafter on a model with captured graphs captures the default shape's growths when it is
+    built; a first tree of one of them, at a temperature not seen before, captures nothing."""
+    import time
+
+    from drafter_service.children import ChildPicker, PickRule
+    from drafter_service.dynamic import DynamicProposer
+    from drafter_service.engine import Drafter
+    from drafter_service.state import DraftState
+    from treeserve.sampling import Sampling
+
+    graphed = pair[1]
+    t0 = time.perf_counter()
+    Drafter(graphed, Options("dynamic", 16, 6, False), max_sequences=2, ahead=None, background_sweep=False)
+    print(f"start-up growths: {len(graphed._growths)} in {time.perf_counter() - t0:.1f} s")
+    assert {(k[0], k[2]) for k in graphed._growths} >= {(b, r) for b in (2, 4, 8, 16, 32)
+                                                         for r in (PickRule.GREEDY, PickRule.DRAWN)}
+    assert all(type(steps).__name__ == "_GraphSteps" for _, steps in graphed._growths.values())
+    built = []
+    original = graphed._build_growth
+    monkeypatch.setattr(graphed, "_build_growth", lambda *a: built.append(a) or original(*a))
+    s = Sampling(temperature=0.35, seed=21)
+    state = DraftState.open("s", demo_prompt[:-1], s, ChildPicker(s, PickRule.DRAWN), graphed)
+    try:
+        DynamicProposer().propose(state, demo_prompt[-1], 32, 6)
+    finally:
+        state.release()
+    assert built == [] and not graphed.lm.graphs.failures

@@ -231,3 +231,41 @@ def test_graph_runner_taken_up_after_growing(tiny_pair, prompt):
 
     assert_commit_equals_decoding(model, prompt[:-2], grow_before_and_after,
                                   lambda forwarded: [0, forwarded.children(0)[0]])
+
+
+def test_prepared_growths_are_the_ones_trees_then_use(draft_model, prompt, monkeypatch):
+    """`prepare_growths` builds each (budget, depth) for each picker once (shapes `can_grow` refuses
+    are skipped); a tree of a prepared shape, at another temperature, builds nothing more."""
+    from drafter_service import draftlm
+
+    pickers = [ChildPicker(Sampling(), PickRule.GREEDY), ChildPicker(Sampling(temperature=1.0), PickRule.DRAWN)]
+    shapes = [(5, 3), (6, 20), (1, 4)]  # depth 20 is capped at 5; one node never grows
+    draft_model.prepare_growths(shapes, pickers)
+    want = {draftlm._growth_key(b, min(d, b - 1), p) for b, d in shapes[:2] for p in pickers}
+    assert want <= set(draft_model._growths)
+    assert draft_model.prepare_growths(shapes, pickers) == 0  # nothing left to build
+    built = []
+    original = draft_model._build_growth
+    monkeypatch.setattr(draft_model, "_build_growth", lambda *a: built.append(a) or original(*a))
+    sampling = Sampling(temperature=0.7, seed=9)
+    state = DraftState.open("p", prompt[:-1], sampling, ChildPicker(sampling, PickRule.DRAWN), draft_model)
+    try:
+        DynamicProposer().propose(state, prompt[-1], 6, 20)
+    finally:
+        state.release()
+    assert built == []
+
+
+def test_a_drafter_that_captures_prepares_its_default_shapes(draft_model, monkeypatch):
+    from drafter_service import draftlm
+    from drafter_service.draftlm import DraftModel
+    from drafter_service.engine import PREPARED_BUDGETS, Drafter, Options
+
+    monkeypatch.setattr(DraftModel, "captures_growths", property(lambda self: True))
+    monkeypatch.setattr(draft_model, "_growths", type(draft_model._growths)())
+    Drafter(draft_model, Options("dynamic", 12, 4, False), max_sequences=2, max_nodes=16, ahead=None,
+            background_sweep=False)
+    budgets = sorted({b for b in PREPARED_BUDGETS if b <= 16} | {12})
+    got = {(k[0], k[1], k[2]) for k in draft_model._growths}
+    assert got == {(b, min(4, b - 1), rule) for b in budgets for rule in (PickRule.GREEDY, PickRule.DRAWN)}
+    assert draftlm.MAX_GROWTHS >= len(got) + 8  # room left for other shapes

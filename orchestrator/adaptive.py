@@ -19,7 +19,9 @@ a token of another sequence, and the same formula turns speculation off.
 - step_ms(n) = forward_ms(n) + overhead: the verifier's forward time is fitted as a + c * n over
   the nodes of the whole batch (least squares with forgetting), so large batches, where every
   extra node costs real compute, naturally push the choice towards 1; the overhead (drafting,
-  RPCs) is measured separately for speculative and plain steps.
+  RPCs) is the median of the last `OVERHEAD_WINDOW` steps' overheads, separately for speculative and
+  plain steps: a one-off stall (a drafter compiling or capturing a new shape takes up to a second)
+  must not make speculation look hopeless for the hundreds of steps it would take to be probed away.
 - Every `probe_every` steps the request may try a neighbour of its best budget (alternately one
   larger and one smaller) so the estimates stay current; while speculation is off it tries the
   best-scoring budget above 1 instead, because drafting has a fixed cost per step (a drafter
@@ -34,15 +36,21 @@ a token of another sequence, and the same formula turns speculation off.
   probe is expected to emit. So probing costs the engine at most about `explore` of its time, by
   the estimates, however many requests share a step, and short requests that could not afford a
   probe alone pay for one between them. A probe the estimates call as good as the best is free.
-  Without this, a drafter that costs several plain steps per tree made every probe expensive: the
-  medium pair's default requests ran at 0.55x plain decoding on a GPU while leaving speculation
-  off on 9 steps in 10 (BENCHMARKS.md, twenty-eighth round).
+  Without this rule, a drafter that costs several plain steps per tree made every probe expensive:
+  the medium pair's default requests ran at 0.55x plain decoding on a GPU while leaving
+  speculation off on 9 steps in 10 (BENCHMARKS.md, twenty-eighth round). Until the engine has
+  verified `LEARNING_STEPS` speculative steps every probe is free: its estimates of them are
+  worth little before, and a few stalled first steps must not keep speculation off for good.
 """
 from __future__ import annotations
 
+import collections
+import statistics
 from dataclasses import dataclass, field
 
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)
+OVERHEAD_WINDOW = 16  # steps whose overheads (outside the forward) give the median
+LEARNING_STEPS = OVERHEAD_WINDOW  # speculative steps an engine verifies before probes spend its credit
 
 
 def allowed_budgets(cap: int) -> tuple[int, ...]:
@@ -70,7 +78,9 @@ class CostModel:
     _nn: float = 0.0
     _y: float = 0.0
     _ny: float = 0.0
-    _overhead: dict = field(default_factory=lambda: {True: None, False: None})
+    _overheads: dict = field(default_factory=lambda: {kind: collections.deque(maxlen=OVERHEAD_WINDOW)
+                                                      for kind in (True, False)})
+    speculative_steps: int = 0
 
     def observe(self, nodes: int, forward_ms: float, step_ms: float, speculative: bool) -> None:
         d = self.decay
@@ -80,9 +90,8 @@ class CostModel:
         self._y = d * self._y + forward_ms
         self._ny = d * self._ny + nodes * forward_ms
         self.credit = self.credit_decay * self.credit + self.explore * step_ms
-        over = max(0.0, step_ms - forward_ms)
-        prev = self._overhead[speculative]
-        self._overhead[speculative] = over if prev is None else 0.8 * prev + 0.2 * over
+        self._overheads[speculative].append(max(0.0, step_ms - forward_ms))
+        self.speculative_steps += int(speculative)
 
     def fit(self) -> tuple[float, float]:
         """(a, c): intercept and ms per node, both >= 0. Flat (c = 0) until nodes vary."""
@@ -101,17 +110,23 @@ class CostModel:
 
     def afford(self, loss_ms: float) -> bool:
         """Spend the credit on a probe expected to lose `loss_ms` against the best choice, if it
-        covers it (a probe expected to lose nothing is free)."""
+        covers it (a probe expected to lose nothing is free, and so is any while the engine is
+        still learning what speculative steps cost)."""
+        if self.speculative_steps < LEARNING_STEPS:
+            return True
         if loss_ms > self.credit:
             return False
         self.credit -= max(0.0, loss_ms)
         return True
 
+    def overhead_ms(self, speculative: bool) -> float:
+        """Median time outside the forward of recent steps of this kind (never measured: the
+        other kind's; neither: 0)."""
+        seen = self._overheads[speculative] or self._overheads[not speculative]
+        return statistics.median(seen) if seen else 0.0
+
     def step_ms(self, nodes: int, speculative: bool) -> float:
-        over = self._overhead[speculative]
-        if over is None:  # never measured: assume the same overhead as the other kind of step
-            over = self._overhead[not speculative] or 0.0
-        return self.forward_ms(nodes) + over
+        return self.forward_ms(nodes) + self.overhead_ms(speculative)
 
 
 @dataclass

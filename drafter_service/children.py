@@ -92,21 +92,21 @@ class ChildPicker:
         return self.rule is PickRule.DRAWN
 
     @property
-    def steps(self) -> sampling.TransformSteps | None:
+    def truncations(self) -> sampling.Truncations | None:
         """The truncations the picker's transform applies (None: greedy ranks by the plain softmax).
         With the rule, the support and the columns, all that a captured growth depends on: the
         transform's values can come in a device tensor (`pick_tensors`)."""
-        return None if self.rule is PickRule.GREEDY else self.sampling.steps
+        return None if self.rule is PickRule.GREEDY else self.sampling.truncations
 
     def ranking_probs(self, logits: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
         """(n, K) logits -> (n, K) float32 probabilities over the same columns, used to rank
         candidates (and to predict outcomes for draft-ahead). values: `sampling.transform_values`
-        of settings with the picker's `steps`, on the logits' device (None: the picker's own)."""
+        of settings with the picker's `truncations`, on the logits' device (None: the picker's own)."""
         if self.rule is PickRule.GREEDY:
             return torch.softmax(logits.float(), dim=-1)
         if values is None:
             return sampling.transform(logits, self.sampling)
-        return sampling.transform_by(logits, values, self.steps)
+        return sampling.transform_by(logits, values, self.truncations)
 
     def pick(self, logits: torch.Tensor, k: int, position: int, salts: Sequence[int]) -> list[Children]:
         """logits (n, K); k: most children per node; position: the tree's committed length (keys the

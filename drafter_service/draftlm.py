@@ -17,6 +17,7 @@ forward and selection together, is one graph replay, and the host reads one numb
 """
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 import threading
@@ -35,11 +36,12 @@ from drafter_service.proposer import Draft
 from drafter_service.vocab import TrimmedVocab
 from kernels.tree_growth import Shape as GrowthShape
 from models.graphs import CAPTURE_LOCK
-from treeserve import sampling
 from treeserve.errors import InvalidArgument, ResourceExhausted
 from treeserve.tree import TokenTree
 
-# Most growth tables a draft model keeps, one per (budget, depth, pick rule, support, transform steps).
+log = logging.getLogger("treeserve.drafter.model")
+
+# Most growth tables a draft model keeps, one per (budget, depth, pick rule, support, transform truncations).
 # With CUDA graphs the first MAX_GROWTHS shapes get graphs for the model's life and later shapes take
 # the host loop, so requests cannot make the drafter capture again and again; eagerly, the least
 # recently used table is dropped. A drafter captures a dozen at start-up (`prepare_growths`).
@@ -97,6 +99,7 @@ class DraftModel:
         self.gate = Gate()
         self.forward_ms = 0.0  # total time spent in runtime calls (metrics)
         self._growths: OrderedDict = OrderedDict()
+        self._refused: set = set()  # growth keys refused for lack of room (logged once each)
         self._stash = None  # without a graph runner: the stash of the latest grown tree
 
     @classmethod
@@ -129,7 +132,7 @@ class DraftModel:
         The drafter runs one tree at a time, so the runner's shared stash is sized for one tree of
         the largest node bucket, not for a batch of every slot; with capture, every single-tree
         bucket is captured now. The graphs of a dynamic tree's growth (`grow`) are captured at the
-        first tree of each budget, depth and pick rule (with its support and its transform's steps:
+        first tree of each budget, depth and pick rule (with its support and its transform's truncations:
         whether top-k and top-p apply, not their values; at most `MAX_GROWTHS` shapes),
         under `models.graphs.CAPTURE_LOCK`, which every device step of this model and of its
         callers' pickers holds (`exclusive`), so no drafter work runs beside a capture."""
@@ -214,9 +217,14 @@ class DraftModel:
         depth = min(depth, budget - 1)
         if GrowthShape(budget, depth, budget).capacity > growth_mod.MAX_CANDIDATES:
             return False
-        runner = self.lm.graphs
-        captured = runner is not None and runner.capture
-        return not captured or _growth_key(budget, depth, picker) in self._growths or len(self._growths) < MAX_GROWTHS
+        key = _growth_key(budget, depth, picker)
+        if not self.captures_growths or key in self._growths or len(self._growths) < MAX_GROWTHS:
+            return True
+        if key not in self._refused:
+            self._refused.add(key)
+            log.warning("draft tree %s not grown on the device: %d growths are captured already; it takes the "
+                        "host loop", key, MAX_GROWTHS)
+        return False
 
     @property
     def captures_growths(self) -> bool:
@@ -230,15 +238,15 @@ class DraftModel:
         a capture: about a second each on an H100, holding every drafting thread (BENCHMARKS.md,
         twenty-eighth round). Shapes `can_grow` refuses are skipped. Returns how many were built."""
         built = 0
-        with self._call():
-            for budget, depth in shapes:
-                for picker in pickers:
-                    picker = picker.bind(self.head)
-                    depth_ = min(depth, budget - 1)
+        for budget, depth in shapes:
+            for picker in pickers:
+                picker = picker.bind(self.head)
+                depth_ = min(depth, budget - 1)
+                # one capture at a time under the locks (not `_call`: start-up work is not drafting time)
+                with self.exclusive():
                     if self.can_grow(budget, depth, picker) and _growth_key(budget, depth_, picker) not in self._growths:
                         self._growth(budget, depth_, picker)
                         built += 1
-        self.forward_ms = 0.0  # start-up work is not drafting time
         return built
 
     def grow(self, slot: int, root: int, budget: int, depth: int, picker: ChildPicker,
@@ -258,9 +266,7 @@ class DraftModel:
                 runner.release_stash()
             else:
                 self._stash = VerifyStash(self.lm.pool, growth.shape.nodes, self.lm.dtype)
-            key = sampling.stream_key(picker.sampling.seed, sampling.STREAM_DRAFT)
-            growth.inputs.copy_(torch.tensor([root, length, slot, key], dtype=torch.int64), non_blocking=True)
-            growth.values.copy_(sampling.transform_values(picker.sampling), non_blocking=True)
+            growth.start(root, length, slot, picker.sampling)
             step.reset()
             for _ in range(depth):
                 still_wanted()
@@ -376,8 +382,8 @@ class DraftModel:
 
 def _growth_key(budget: int, depth: int, picker: ChildPicker) -> tuple:
     """What a growth's graphs depend on: its shape and its picker's rule, support and transform
-    steps (not the seed or the transform's values, which each run passes in device tensors)."""
-    return (budget, depth, picker.rule, picker.support, picker.steps)
+    truncations (not the seed or the transform's values, which each run passes in device tensors)."""
+    return (budget, depth, picker.rule, picker.support, picker.truncations)
 
 
 class _EagerSteps:

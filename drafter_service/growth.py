@@ -21,6 +21,7 @@ from drafter_service.children import ChildPicker
 from drafter_service.proposer import Draft
 from kernels import ops
 from kernels.tree_growth import GrowthTables, Shape
+from treeserve.sampling import STREAM_DRAFT, Sampling, stream_key, transform_values
 from treeserve.tree import SparseDist, TokenTree
 
 # Largest candidate table grown on the device (about 50 bytes a candidate); larger trees (a deep
@@ -35,12 +36,12 @@ class Growth:
     """One growth run's tables (`kernels.tree_growth.GrowthTables`) and its level step, for one
     `Shape` on one device.
 
-    `reset` starts a run from `inputs` (root, committed length, slot, stream key), which the caller
-    fills with one copy, and with the sampling settings' `transform_values` in `values` (pickers
-    that transform); `level` runs one level and leaves the frontier's size in `frontier_count`;
-    `read` brings the result to the host. `level` launches only device work whose shapes depend on
-    the `Shape` and the picker's rule, support and transform steps alone, so it can be captured once
-    and replayed for every run of it, whatever its seed, temperature, top-k or top-p."""
+    `start` fills a run's inputs (root, committed length, slot, stream key and the sampling
+    settings' `transform_values`) and `reset` starts it from them; `level` runs one level and leaves
+    the frontier's size in `frontier_count`; `read` brings the result to the host. `reset` and
+    `level` launch only device work whose shapes depend on the `Shape` and on the picker's rule,
+    support and truncations, so they can be captured once and replayed for every run, whatever its
+    seed, temperature, top-k or top-p."""
 
     def __init__(self, shape: Shape, picker: ChildPicker, forward: Forward, device: torch.device):
         self.shape, self.picker, self.forward = shape, picker, forward
@@ -53,6 +54,12 @@ class Growth:
     def inputs(self) -> torch.Tensor:
         """(4,) int64: root token, committed length, slot, stream key."""
         return self.tables.inputs
+
+    def start(self, root: int, length: int, slot: int, settings: Sampling) -> None:
+        """Fill a run's inputs: two host-to-device copies, queued without waiting."""
+        key = stream_key(settings.seed, STREAM_DRAFT)
+        self.inputs.copy_(torch.tensor([root, length, slot, key], dtype=torch.int64), non_blocking=True)
+        self.values.copy_(transform_values(settings), non_blocking=True)
 
     @property
     def frontier_count(self) -> torch.Tensor:

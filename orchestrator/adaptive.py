@@ -35,7 +35,10 @@ a token of another sequence, and the same formula turns speculation off.
   against the best budget: its step time less the time the best budget needs for the tokens the
   probe is expected to emit. So probing costs the engine at most about `explore` of its time, by
   the estimates, however many requests share a step, and short requests that could not afford a
-  probe alone pay for one between them. A probe the estimates call as good as the best is free.
+  probe alone pay for one between them. A probe the estimates call as good as the best is free; one
+  dearer than the credit can ever hold is taken when the credit is nearly full (a few times in ten
+  thousand steps), or a stale estimate could keep speculation off for good. A refused neighbour
+  does not block the other one: the direction alternates whether the probe is taken or not.
   Without this rule, a drafter that costs several plain steps per tree made every probe expensive:
   the medium pair's default requests ran at 0.55x plain decoding on a GPU while leaving
   speculation off on 9 steps in 10 (BENCHMARKS.md, twenty-eighth round). Until the engine has
@@ -51,6 +54,7 @@ from dataclasses import dataclass, field
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)
 OVERHEAD_WINDOW = 16  # steps whose overheads (outside the forward) give the median
 LEARNING_STEPS = OVERHEAD_WINDOW  # speculative steps an engine verifies before probes spend its credit
+SATURATED = 0.9  # share of its level at which the credit pays for any one probe
 
 
 def allowed_budgets(cap: int) -> tuple[int, ...]:
@@ -66,12 +70,17 @@ class CostModel:
     """Step cost in ms as a function of the nodes verified in the batch (per engine), and the
     credit for probes that the engine's time earns. `explore`: the share of the engine's time
     that probes may lose; the credit decays by `credit_decay` a step, so time spent without
-    probing (plain traffic, a long spell of speculation off) cannot pay for a burst of them."""
+    probing (plain traffic, a long spell of speculation off) cannot pay for a burst of them. It
+    levels off at `explore / (1 - credit_decay)` steps' time (about 50); a probe dearer than that
+    is still taken once the credit is nearly full (`SATURATED`), so that a stale estimate of a
+    dear probe can be checked again: at most once every few thousand steps."""
 
     decay: float = 0.97
     explore: float = 0.05
     credit_decay: float = 0.999
     credit: float = 0.0  # estimated ms of loss that probes may still spend
+    # what the credit would be had nothing been spent: the level it tends to
+    earned: float = 0.0
     # decayed sums for the least-squares fit of forward_ms = a + c * nodes
     _w: float = 0.0
     _n: float = 0.0
@@ -80,6 +89,8 @@ class CostModel:
     _ny: float = 0.0
     _overheads: dict = field(default_factory=lambda: {kind: collections.deque(maxlen=OVERHEAD_WINDOW)
                                                       for kind in (True, False)})
+    # the medians of `_overheads`, kept up to date by `observe` (read a few times per request per step)
+    _overhead_ms: dict = field(default_factory=lambda: {True: None, False: None})
     speculative_steps: int = 0
 
     def observe(self, nodes: int, forward_ms: float, step_ms: float, speculative: bool) -> None:
@@ -90,7 +101,10 @@ class CostModel:
         self._y = d * self._y + forward_ms
         self._ny = d * self._ny + nodes * forward_ms
         self.credit = self.credit_decay * self.credit + self.explore * step_ms
-        self._overheads[speculative].append(max(0.0, step_ms - forward_ms))
+        self.earned = self.credit_decay * self.earned + self.explore * step_ms
+        recent = self._overheads[speculative]
+        recent.append(max(0.0, step_ms - forward_ms))
+        self._overhead_ms[speculative] = statistics.median(recent)
         self.speculative_steps += int(speculative)
 
     def fit(self) -> tuple[float, float]:
@@ -110,20 +124,22 @@ class CostModel:
 
     def afford(self, loss_ms: float) -> bool:
         """Spend the credit on a probe expected to lose `loss_ms` against the best choice, if it
-        covers it (a probe expected to lose nothing is free, and so is any while the engine is
-        still learning what speculative steps cost)."""
+        covers it or is nearly full (a probe expected to lose nothing is free, and so is any while
+        the engine is still learning what speculative steps cost)."""
         if self.speculative_steps < LEARNING_STEPS:
             return True
-        if loss_ms > self.credit:
+        if loss_ms > self.credit and self.credit < SATURATED * self.earned:
             return False
-        self.credit -= max(0.0, loss_ms)
+        self.credit = max(0.0, self.credit - max(0.0, loss_ms))
         return True
 
     def overhead_ms(self, speculative: bool) -> float:
-        """Median time outside the forward of recent steps of this kind (never measured: the
-        other kind's; neither: 0)."""
-        seen = self._overheads[speculative] or self._overheads[not speculative]
-        return statistics.median(seen) if seen else 0.0
+        """Median time outside the forward of the last `OVERHEAD_WINDOW` steps of this kind (never
+        measured: the other kind's; neither: 0)."""
+        for kind in (speculative, not speculative):
+            if self._overhead_ms[kind] is not None:
+                return self._overhead_ms[kind]
+        return 0.0
 
     def step_ms(self, nodes: int, speculative: bool) -> float:
         return self.forward_ms(nodes) + self.overhead_ms(speculative)
@@ -195,9 +211,9 @@ class AdaptivePolicy:
         if every and (self.steps + self.phase) % every == 0 and len(self.budgets) > 1:
             # off: re-check the most promising tree, not just the smallest
             probe = max(self.budgets[1:], key=rank) if self.best == 1 else self._neighbour(self.best)
+            if self.best != 1:  # the other neighbour next time, taken or not (a dear one must not block it)
+                self._probe_up = not self._probe_up
             if cost.afford(step_ms(probe) - tokens(probe) / scores[self.best]):
-                if self.best != 1:
-                    self._probe_up = not self._probe_up
                 return probe
         return self.best
 

@@ -46,10 +46,10 @@ class Sampling:
         return self.temperature <= 0.0
 
     @property
-    def steps(self) -> "TransformSteps":
+    def truncations(self) -> "Truncations":
         """Which truncations `transform` applies (what a captured graph of it depends on; the
         values themselves can come from a device tensor, `transform_values`)."""
-        return TransformSteps(top_k=self.top_k > 0, top_p=0.0 < self.top_p < 1.0)
+        return Truncations(top_k=self.top_k > 0, top_p=0.0 < self.top_p < 1.0)
 
     def validate(self) -> "Sampling":
         if not self.temperature >= 0.0:
@@ -71,7 +71,7 @@ class Sampling:
 
 
 @dataclass(frozen=True)
-class TransformSteps:
+class Truncations:
     """Which truncations a non-greedy transform applies: top-k (top_k > 0), top-p (0 < top_p < 1)."""
 
     top_k: bool
@@ -83,39 +83,50 @@ def transform(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     Greedy settings give a one-hot at the argmax (ties: lowest index, like torch.argmax)."""
     if s.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    return _truncated(logits, 1.0 / s.temperature, s.top_k, s.top_p, s.steps)
+    return _truncated(logits, 1.0 / s.temperature, s.top_k, s.top_p, s.truncations)
 
 
 def transform_values(s: Sampling) -> torch.Tensor:
     """(3,) float32 on the CPU: 1 / temperature, top_k and top_p, as `transform_by` reads them
-    (zeros for greedy settings, which have no transform to apply). float32 holds top_k exactly."""
+    (zeros for greedy settings, which have no transform to apply). float32 holds top_k exactly up
+    to 2**24, past any vocabulary (and a k past the vocabulary masks nothing either way)."""
     if s.greedy:
         return torch.zeros(3, dtype=torch.float32)
     return torch.tensor([1.0 / s.temperature, s.top_k, s.top_p], dtype=torch.float32)
 
 
-def transform_by(logits: torch.Tensor, values: torch.Tensor, steps: TransformSteps) -> torch.Tensor:
+def transform_by(logits: torch.Tensor, values: torch.Tensor, truncations: Truncations) -> torch.Tensor:
     """`transform` of non-greedy settings with their values in a device tensor (`transform_values`)
-    and only their `steps` fixed: no host synchronisation, so one CUDA graph serves every
-    temperature, top-k and top-p with these steps. The same probabilities as `transform`, bit for bit."""
-    return _truncated(logits, values[0], values[1], values[2], steps)
+    and only their `truncations` fixed: no host synchronisation, so one CUDA graph serves every
+    temperature, top-k and top-p with these truncations. The same probabilities as `transform`,
+    bit for bit."""
+    return _truncated(logits, values[0], values[1], values[2], truncations)
 
 
-def _truncated(logits: torch.Tensor, scale, top_k, top_p, steps: TransformSteps) -> torch.Tensor:
-    """Scale, top-k, softmax, top-p; the values are Python numbers or 0-d float32 tensors. Python
-    scalars meet float32 tensors as float32 values, so both give the same bits."""
-    logits = logits.float() * scale
+Scalar = float | int | torch.Tensor  # a Python number, or a 0-d float32 tensor on the logits' device
+
+
+def _scaled(logits: torch.Tensor, scale: Scalar) -> torch.Tensor:
+    """float32 logits times float32 `scale`: a Python float meets a float32 tensor as a float32
+    value, so a number and a tensor holding its float32 rounding give the same bits."""
+    return logits.float() * scale
+
+
+def _truncated(logits: torch.Tensor, scale: Scalar, top_k: Scalar, top_p: Scalar,
+               truncations: Truncations) -> torch.Tensor:
+    """Scale, top-k, softmax, top-p."""
+    logits = _scaled(logits, scale)
     width = logits.shape[-1]
-    if steps.top_k and isinstance(top_k, int):
-        if top_k < width:
-            kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-    elif steps.top_k:  # the k-th largest by sorting (topk needs k on the host); k >= width masks nothing
+    if truncations.top_k and isinstance(top_k, torch.Tensor):
+        # the k-th largest by sorting (topk needs k on the host); k >= width masks nothing
         at = (top_k.long().clamp(1, width) - 1).expand(*logits.shape[:-1], 1)
         kth = torch.sort(logits, dim=-1, descending=True).values.gather(-1, at)
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    elif truncations.top_k and top_k < width:
+        kth = torch.topk(logits, int(top_k), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if steps.top_p:
+    if truncations.top_p:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it < top_p
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p
@@ -127,9 +138,10 @@ def _truncated(logits: torch.Tensor, scale, top_k, top_p, steps: TransformSteps)
 
 
 def scaled_logits(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """float32 logits times float32(1 / temperature), the product `kernels.gumbel_argmax` forms:
-    the log-probabilities of the sampled distribution up to a constant per row."""
-    return logits.float() * (1.0 / s.temperature)
+    """float32 logits times float32(1 / temperature), the product `kernels.gumbel_argmax` forms and
+    `transform` starts from: the log-probabilities of the sampled distribution up to a constant per
+    row."""
+    return _scaled(logits, 1.0 / s.temperature)
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ def test_grown_tree_equals_host_loop(draft_model, prompt, sampling, rule, budget
         state.release()
 
 
-SAME_STEPS = [
+SAME_TRUNCATIONS = [
     [(Sampling(temperature=1.0, seed=11), PickRule.DRAWN), (Sampling(temperature=0.45, seed=3), PickRule.DRAWN),
      (Sampling(temperature=1.7, seed=4), PickRule.DRAWN)],
     [(Sampling(temperature=0.8, top_k=40, top_p=0.9, seed=5), PickRule.RANKED),
@@ -52,7 +52,7 @@ SAME_STEPS = [
 ]
 
 
-@pytest.mark.parametrize("settings", SAME_STEPS, ids=["drawn", "ranked-top-k-top-p", "drawn-top-k"])
+@pytest.mark.parametrize("settings", SAME_TRUNCATIONS, ids=["drawn", "ranked-top-k-top-p", "drawn-top-k"])
 def test_one_growth_serves_every_value_of_its_transform(draft_model, prompt, settings):
     """Settings that differ only in temperature, top-k, top-p and seed share one growth table (its
     graphs, when captured), built for the first of them; each still grows the host loop's tree."""
@@ -169,7 +169,6 @@ def assert_ties_broken_as_the_host_loop(sampling, rule, budget, depth, roots, le
 
     from drafter_service.growth import Growth
     from kernels.tree_growth import Shape
-    from treeserve.sampling import STREAM_DRAFT, stream_key
 
     table = torch.log(torch.tensor(TIES, dtype=torch.float64)).float()
     picker = ChildPicker(sampling, rule)
@@ -183,7 +182,7 @@ def assert_ties_broken_as_the_host_loop(sampling, rule, budget, depth, roots, le
             plain = DynamicProposer().propose_on_host(state, root, budget, depth)
             g = Growth(Shape(budget, depth, 16, min(picker.support, 5) if picker.reports_dists else 0), picker,
                        forward, torch.device("cpu"))
-            g.inputs.copy_(torch.tensor([root, length, 0, stream_key(sampling.seed, STREAM_DRAFT)]))
+            g.start(root, length, 0, sampling)
             g.reset()
             for _ in range(depth):
                 g.level()

@@ -169,7 +169,8 @@ def test_probes_the_most_promising_tree_when_off():
     cost = CostModel()
     for n, spec in [(1, False), (1, False), (8, True), (8, True)]:
         cost.observe(n, 5.0, 5.0 + (40.0 if spec else 0.0), speculative=spec)
-    cost.credit = 1e6  # credit to spare: this test is about which tree, not how often
+    # still learning (fewer than LEARNING_STEPS speculative steps): every probe is free, so this test
+    # is about which tree, not how often
     policy.observe(2, 1)
     policy.observe(8, 4)  # pays per token less than plain decoding at this drafting cost
     picks = [policy.choose(cost) for _ in range(16)]
@@ -230,6 +231,46 @@ def run_requests(tau, forward, requests=40, length=120, overhead=0.3, draft_over
             tokens += emitted
             time += ms
     return tokens / time, drafted
+
+
+def test_a_dear_neighbour_does_not_block_the_other():
+    """At budget 8, probing 16 would lose more than the credit holds while probing 4 is cheap: the
+    cheap side is probed meanwhile, not only once the dear one has been paid for."""
+    policy = AdaptivePolicy(cap=16, probe_every=2, warmup=0)
+    cost = CostModel()
+
+    def forward(n):
+        return 5.0 + 2.0 * n
+
+    for n in (1, 4, 8, 16) * LEARNING_STEPS:  # past learning, the slope known
+        cost.observe(n, forward(n), forward(n), speculative=n > 1)
+    cost.credit = 0.0
+    policy.observe(4, 2)  # 2 tokens in 13 ms: a probe loses about 2.5 ms against 8
+    policy.observe(8, 4)  # the best: 4 tokens in 21 ms
+    policy.observe(16, 1)  # 1 token in 37 ms: a probe loses about 32 ms
+    picks = []
+    for _ in range(40):
+        picks.append(policy.choose(cost))
+        cost.observe(picks[-1], forward(picks[-1]), forward(picks[-1]), speculative=picks[-1] > 1)
+    assert picks.count(4) >= 8 and 16 not in picks
+
+
+def test_a_probe_dearer_than_the_credit_can_hold_is_still_taken_now_and_then():
+    """Speculative steps once measured at 400 ms over the forward (a stalled drafter): a probe's
+    estimated loss is more than the credit ever holds (about 50 steps' time). It is still taken
+    when the credit is nearly full, so the estimate can be corrected, but rarely."""
+    policy = AdaptivePolicy(cap=8, probe_every=2, warmup=0)
+    cost = CostModel()
+    for _ in range(LEARNING_STEPS):
+        cost.observe(8, 5.0, 405.0, speculative=True)
+    policy.observe(8, 4)
+    probes = 0
+    for _ in range(6000):
+        if policy.choose(cost) == 8:
+            probes += 1
+        cost.observe(1, 5.0, 5.0, speculative=False)
+    assert cost.earned * 0.99 < cost.explore * 5.0 / (1 - cost.credit_decay) < 400.0  # the level
+    assert 2 <= probes <= 4  # about one every 2,300 steps: the credit refills to 90% of its level
 
 
 def test_short_requests_with_an_expensive_drafter_stay_near_plain():

@@ -17,6 +17,10 @@ each temperature, by:
            child processes over gRPC                         (no speculation settings: adaptive
                                                              budget, the drafter's default shape)
 
+The gRPC rows share one engine and one drafter process, as a serving replica's requests do: the
+server default row starts from the cost model, acceptance table and probe credit that the earlier
+rows left (`orchestrator/adaptive.py`), and a drafter's first trees of a shape pay its compiles.
+
 Reported per (method, path, temperature): tokens/s (wall time, prefill included), tau = tokens
 emitted per target forward after the prefill (accepted drafts plus the bonus token), tree nodes per
 forward, speedups against plain decoding and against chain speculation *on the same path* (the hf

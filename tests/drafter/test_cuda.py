@@ -16,6 +16,7 @@ from drafter_service.vocab import TrimmedVocab
 from models.graphs import NODE_BUCKETS
 from tests.drafter.compare import assert_same_replies
 from tests.drafter.test_ahead import drive
+from tests.drafter.test_growth import assert_one_growth_serves, growths_built_by_a_tree
 from tests.drafter.test_trimmed import GREEDY, HOT, VOCAB, greedy_reference, kept_ids, save, speculate
 
 DEMO = pathlib.Path(__file__).resolve().parents[2] / "models" / "demo" / "drafter"
@@ -127,14 +128,11 @@ def test_trees_grown_in_graphs_equal_the_host_loop(pair, demo_prompt, rule):
     assert all(type(steps).__name__ == "_GraphSteps" for _, steps in graphed._growths.values())
 
 
-def test_one_captured_growth_serves_every_temperature_top_k_and_top_p(pair, demo_prompt):
+def test_one_captured_growth_serves_every_temperature_top_k_and_top_p(pair, demo_prompt, monkeypatch):
     """Requests that differ in temperature, top-k, top-p and seed but not in which truncations
     apply replay one captured growth; each grows the host loop's tree, and the transform with its
     values in a device tensor is the transform itself, bit for bit, on CUDA."""
-    from drafter_service import draftlm
-    from drafter_service.children import ChildPicker, PickRule
-    from drafter_service.dynamic import DynamicProposer
-    from drafter_service.state import DraftState
+    from drafter_service.children import PickRule
     from treeserve import sampling
     from treeserve.sampling import Sampling
 
@@ -150,21 +148,10 @@ def test_one_captured_growth_serves_every_temperature_top_k_and_top_p(pair, demo
         values = sampling.transform_values(s).cuda()
         got, want = sampling.transform_by(logits, values, s.truncations), sampling.transform(logits, s)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), s
-    budget, depth = 12, 5
-    keys = {draftlm._growth_key(budget, depth, ChildPicker(s, PickRule.DRAWN)) for s in settings}
-    assert len(keys) == 1
-    for s in settings:
-        picker = ChildPicker(s, PickRule.DRAWN)
-        state = DraftState.open("v", demo_prompt[:-1], s, picker, graphed)
-        proposer = DynamicProposer()
-        try:
-            grown = proposer.propose(state, demo_prompt[-1], budget, depth)
-            plain = proposer.propose_on_host(state, demo_prompt[-1], budget, depth)
-            assert (grown.tree.tokens, grown.tree.parents) == (plain.tree.tokens, plain.tree.parents)
-            assert grown.logp == pytest.approx(plain.logp, abs=1e-4)
-        finally:
-            state.release()
-    growth, steps = graphed._growths[keys.pop()]
+    # room for the shape, whatever the module's earlier drafters captured on this model
+    monkeypatch.setattr(graphed, "_growths", type(graphed._growths)())
+    growth, steps = assert_one_growth_serves(graphed, demo_prompt, [(s, PickRule.DRAWN) for s in settings], 12, 5,
+                                             abs_logp=1e-4)
     assert type(steps).__name__ == "_GraphSteps" and growth.picker.sampling == settings[0]
     assert not graphed.lm.graphs.failures, graphed.lm.graphs.failures
 
@@ -174,13 +161,9 @@ def test_a_drafter_captures_its_default_growths_at_start_up(pair, demo_prompt, m
     built; a first tree of one of them, at a temperature not seen before, captures nothing."""
     import time
 
-    from drafter_service.children import ChildPicker, PickRule
-    from drafter_service.dynamic import DynamicProposer
-    from drafter_service.engine import Drafter
-    from drafter_service.state import DraftState
-    from treeserve.sampling import Sampling
-
     from drafter_service import draftlm
+    from drafter_service.children import ChildPicker, PickRule
+    from treeserve.sampling import Sampling
 
     graphed = pair[1]
     # room for every start-up shape, whatever the module's earlier tests captured on this model
@@ -193,13 +176,6 @@ def test_a_drafter_captures_its_default_growths_at_start_up(pair, demo_prompt, m
     want = {draftlm._growth_key(b, min(6, b - 1), p) for b in (2, 4, 8, 16, 32) for p in pickers}
     assert set(graphed._growths) == want
     assert all(type(steps).__name__ == "_GraphSteps" for _, steps in graphed._growths.values())
-    built = []
-    original = graphed._build_growth
-    monkeypatch.setattr(graphed, "_build_growth", lambda *a: built.append(a) or original(*a))
     s = Sampling(temperature=0.35, seed=21)
-    state = DraftState.open("s", demo_prompt[:-1], s, ChildPicker(s, PickRule.DRAWN), graphed)
-    try:
-        DynamicProposer().propose(state, demo_prompt[-1], 32, 6)
-    finally:
-        state.release()
-    assert built == [] and not graphed.lm.graphs.failures
+    assert growths_built_by_a_tree(graphed, demo_prompt, s, 32, 6, monkeypatch) == []
+    assert not graphed.lm.graphs.failures

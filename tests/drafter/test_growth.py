@@ -56,24 +56,28 @@ SAME_TRUNCATIONS = [
 def test_one_growth_serves_every_value_of_its_transform(draft_model, prompt, settings):
     """Settings that differ only in temperature, top-k, top-p and seed share one growth table (its
     graphs, when captured), built for the first of them; each still grows the host loop's tree."""
+    growth, _ = assert_one_growth_serves(draft_model, prompt, settings, 9, 4, abs_logp=1e-5)
+    assert growth.picker.sampling == settings[0][0]  # built once, for the first
+
+
+def assert_one_growth_serves(model, prompt, settings, budget, depth, abs_logp):
+    """Every (sampling, rule) of `settings` keys the same growth, and growing a tree after
+    `prompt[:-1]` gives the host loop's tree for each; returns that growth and its steps."""
     from drafter_service import draftlm
 
-    budget, depth = 9, 4
     keys = {draftlm._growth_key(budget, depth, ChildPicker(s, rule)) for s, rule in settings}
     assert len(keys) == 1
     for sampling, rule in settings:
-        picker = ChildPicker(sampling, rule)
         proposer = DynamicProposer()
-        state = DraftState.open("v", prompt[:-1], sampling, picker, draft_model)
+        state = DraftState.open("v", prompt[:-1], sampling, ChildPicker(sampling, rule), model)
         try:
             grown = proposer.propose(state, prompt[-1], budget, depth)
             plain = proposer.propose_on_host(state, prompt[-1], budget, depth)
             assert (grown.tree.tokens, grown.tree.parents) == (plain.tree.tokens, plain.tree.parents)
-            assert grown.logp == pytest.approx(plain.logp, abs=1e-5)
+            assert grown.logp == pytest.approx(plain.logp, abs=abs_logp)
         finally:
             state.release()
-    growth, _ = draft_model._growths[keys.pop()]
-    assert growth.picker.sampling == settings[0][0]  # built once, for the first
+    return model._growths[keys.pop()]
 
 
 def test_grown_tree_commits_its_last_level(draft_model, prompt):
@@ -243,16 +247,20 @@ def test_prepared_growths_are_the_ones_trees_then_use(draft_model, prompt, monke
     want = {draftlm._growth_key(b, min(d, b - 1), p) for b, d in shapes[:2] for p in pickers}
     assert want <= set(draft_model._growths)
     assert draft_model.prepare_growths(shapes, pickers) == 0  # nothing left to build
+    assert growths_built_by_a_tree(draft_model, prompt, Sampling(temperature=0.7, seed=9), 6, 20, monkeypatch) == []
+
+
+def growths_built_by_a_tree(model, prompt, sampling, budget, depth, monkeypatch) -> list:
+    """The growth tables that drafting one dynamic tree (drawn children) after `prompt[:-1]` builds."""
     built = []
-    original = draft_model._build_growth
-    monkeypatch.setattr(draft_model, "_build_growth", lambda *a: built.append(a) or original(*a))
-    sampling = Sampling(temperature=0.7, seed=9)
-    state = DraftState.open("p", prompt[:-1], sampling, ChildPicker(sampling, PickRule.DRAWN), draft_model)
+    original = model._build_growth
+    monkeypatch.setattr(model, "_build_growth", lambda *a: built.append(a) or original(*a))
+    state = DraftState.open("b", prompt[:-1], sampling, ChildPicker(sampling, PickRule.DRAWN), model)
     try:
-        DynamicProposer().propose(state, prompt[-1], 6, 20)
+        DynamicProposer().propose(state, prompt[-1], budget, depth)
     finally:
         state.release()
-    assert built == []
+    return built
 
 
 def test_a_drafter_that_captures_prepares_its_default_shapes(draft_model, monkeypatch):

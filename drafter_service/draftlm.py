@@ -236,18 +236,17 @@ class DraftModel:
         """Build the growth of every (budget, depth) in `shapes` for every picker now (capturing its
         graphs where growths are captured), so that the first trees of those shapes do not wait for
         a capture: about a second each on an H100, holding every drafting thread (BENCHMARKS.md,
-        twenty-eighth round). Shapes `can_grow` refuses are skipped. Returns how many were built."""
-        built = 0
+        twenty-eighth round). Shapes `can_grow` refuses are skipped. Returns how many were built (eagerly,
+        less any that the least-recently-used rule dropped meanwhile)."""
+        held = len(self._growths)
         for budget, depth in shapes:
             for picker in pickers:
                 picker = picker.bind(self.head)
-                depth_ = min(depth, budget - 1)
                 # one capture at a time under the locks (not `_call`: start-up work is not drafting time)
                 with self.exclusive():
-                    if self.can_grow(budget, depth, picker) and _growth_key(budget, depth_, picker) not in self._growths:
-                        self._growth(budget, depth_, picker)
-                        built += 1
-        return built
+                    if self.can_grow(budget, depth, picker):
+                        self._growth(budget, min(depth, budget - 1), picker)  # built unless held already
+        return len(self._growths) - held
 
     def grow(self, slot: int, root: int, budget: int, depth: int, picker: ChildPicker,
              still_wanted: Callable[[], None]) -> tuple[Draft, Verified]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 from drafter_service.ahead import AheadConfig, Prepared, Round, Worker, key_of
 from drafter_service.chain import ChainProposer
-from drafter_service.children import DEFAULT_SUPPORT, ChildPicker, PickRule, rule_for
+from drafter_service.children import DEFAULT_SUPPORT, ChildPicker, rule_for
 from drafter_service.draftlm import DraftModel
 from drafter_service.dynamic import DynamicProposer
 from drafter_service.fused import FusedProposer
@@ -164,14 +164,16 @@ class Drafter:
         d = self.defaults
         if d.shape not in ("dynamic", "fused"):
             return
-        sampled = Sampling(temperature=1.0)
-        pickers = [ChildPicker(Sampling(), PickRule.GREEDY, self.support),
-                   ChildPicker(sampled, rule_for(sampled, with_dists=d.shape != "fused"), self.support)]
+        pickers = [self._picker(Sampling(), d.shape), self._picker(Sampling(temperature=1.0), d.shape)]
         budgets = sorted({b for b in PREPARED_BUDGETS if b <= self.max_nodes} | {d.node_budget})
         t0 = time.perf_counter()
         built = self.model.prepare_growths([(b, d.max_depth) for b in budgets], pickers)
         log.info("captured %d draft-tree growths (budgets %s, depth %d) in %.1f s", built, budgets, d.max_depth,
                  time.perf_counter() - t0)
+
+    def _picker(self, sampling: Sampling, shape: str) -> ChildPicker:
+        """How a sequence of this shape picks children (fused trees carry no draft distributions)."""
+        return ChildPicker(sampling, rule_for(sampling, with_dists=shape != "fused"), self.support)
 
     @property
     def strategy(self) -> str:
@@ -214,7 +216,7 @@ class Drafter:
         proposer = self.proposers[options.shape]
         picker = None
         if proposer.uses_model:
-            picker = ChildPicker(sampling, rule_for(sampling, with_dists=options.shape != "fused"), self.support)
+            picker = self._picker(sampling, options.shape)
         with self._foreground():
             old = self._reserve(sequence_id)
             try:

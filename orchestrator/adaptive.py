@@ -211,19 +211,19 @@ class AdaptivePolicy:
         if every and (self.steps + self.phase) % every == 0 and len(self.budgets) > 1:
             # off: re-check the most promising tree, not just the smallest
             probe = max(self.budgets[1:], key=rank) if self.best == 1 else self._neighbour(self.best)
-            if self.best != 1:  # the other neighbour next time, taken or not (a dear one must not block it)
-                self._probe_up = not self._probe_up
             if cost.afford(step_ms(probe) - tokens(probe) / scores[self.best]):
                 return probe
         return self.best
 
     def _neighbour(self, b: int) -> int:
         """The next neighbour of `b` to probe: alternately one larger and one smaller (at the ends,
-        the only one there is)."""
+        the only one there is), whether the probe is then taken or not (a dear one must not block
+        the other)."""
         i = self.budgets.index(b)
         up = i + 1 < len(self.budgets)
         down = i > 0
         go_up = (self._probe_up and up) or not down
+        self._probe_up = not self._probe_up
         return self.budgets[i + 1] if go_up else self.budgets[i - 1]
 
     def observe(self, budget: int, emitted: int, shared: AcceptanceTable | None = None) -> None:

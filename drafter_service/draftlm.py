@@ -120,6 +120,7 @@ class DraftModel:
                     trim=kept, trim_source=str(trim))
         if cuda_graphs is None:
             cuda_graphs = lm.graphs_supported
+        lm.warm_up()  # no sequence's start or catch-up pays a kernel compile (CUDA only)
         if cuda_graphs:
             model.use_graphs()
         return model

@@ -415,7 +415,7 @@ def conv_state_commit(conv_state, slot_idx, xbc, rows, path_len, cache_lens):
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L", "start"])  # sizes that change per call: one compile serves them all
 def _conv_prefill_kernel(
     x_ptr, w_ptr, bias_ptr, init_ptr, out_ptr, new_state_ptr,
     L, D, start,

@@ -159,7 +159,7 @@ def _one_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_wn, BN: tl.constexpr, BK
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # sizes that change per call: one compile serves them all
 def _rows_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, k_tiles_per_program,
                      s_xm, s_wn, s_ym, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      STAGES: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,

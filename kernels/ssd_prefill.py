@@ -89,7 +89,7 @@ def _chunk_dA(dt_ptr, bias, A, offs_q, Lx, h, sdt_t, sdt_h, dt_lo, dt_hi):
     return dt, dt * A
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Lx"])  # sizes that change per call: one compile serves them all
 def _chunk_state_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, bias_ptr, states_ptr, chunk_dA_ptr,
     Lx, heads_per_group, dt_lo, dt_hi,
@@ -133,7 +133,7 @@ def _chunk_state_kernel(
         tl.store(chunk_dA_ptr + c * H + h, total.to(tl.float32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks"])  # sizes that change per call: one compile serves them all
 def _state_passing_kernel(
     states_ptr, chunk_dA_ptr, init_ptr, final_ptr, n_chunks,
     si_h, si_p, si_n,
@@ -161,7 +161,7 @@ def _state_passing_kernel(
     tl.store(final_ptr + h * P * N + tile, state, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Lx"])  # sizes that change per call: one compile serves them all
 def _chunk_scan_kernel(
     x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, bias_ptr, states_ptr, z_ptr, y_ptr,
     Lx, heads_per_group, dt_lo, dt_hi,

@@ -361,7 +361,7 @@ def tree_attention(q, k_cache, v_cache, parents, cu_seqlens, slot_idx, cache_len
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "B"])  # sizes that change per call: one compile serves them all
 def _write_kv_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, cu_ptr, slot_ptr, lens_ptr, ks_ptr, vs_ptr, T, B,
     stride_kt, stride_kh, stride_vt, stride_vh,

@@ -29,7 +29,7 @@ from models.config import (
     SharedAttentionSpec,
     stateful_sublayers,
 )
-from models.errors import CheckpointError
+from models.errors import CheckpointError, SlotsExhausted
 from models.layers.attention import Attention
 from models.layers.mamba import MambaMixer
 from models.layers.mlp import MLP, MoE
@@ -286,6 +286,53 @@ class HybridLM(nn.Module):
         bad = [t for t in tokens if not 0 <= t < V]
         if bad:
             raise ValueError(f"{what}: token {bad[0]} outside the vocabulary [0, {V})")
+
+    # One slot takes a one-token prompt, then 40 tokens packed beside another slot's 40-token
+    # prompt, then continuations of these lengths, then a decode step. Between them they launch
+    # every program that a prefill of one or more prompts and a one-sequence decode can: each
+    # kernel with and without an earlier state and at one row and at many (a one-row input's
+    # strides differ), each row tile of the KV write (1, 2, 4, 8, 16, 32 rows), the one-row and
+    # few-rows projections (the LM head's too: it reads a row per prompt) and cuBLAS. Sizes that
+    # vary per call are not specialised on (`do_not_specialize` in kernels/), so no other length
+    # compiles anything new (tests/gpu/test_warm_up.py). Not covered: eager decode of several
+    # sequences (with CUDA graphs, each batch size compiles once, at its capture), and more than
+    # 16 prompts packed in one prefill.
+    WARM_UP_CONTINUATIONS = (1, 2, 4, 8, 16)
+    WARM_UP_PROMPT = 40
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """Compile, before the first request, every Triton program that a prefill of any length or
+        a decode step launches, on two slots taken and given back here. A JIT compile costs
+        0.1-1.3 s on an H100: otherwise a prompt or a drafter's catch-up of a length not seen
+        before pays it. Nothing to do off CUDA (the reference twins run there), or when two slots
+        are not free or a slot holds fewer tokens than the warm-up."""
+        longest = 1 + self.WARM_UP_PROMPT + sum(self.WARM_UP_CONTINUATIONS) + 1
+        if self.device.type != "cuda" or longest > self.pool.max_len:
+            return
+        slots = []
+        try:
+            slots = [self.pool.alloc(), self.pool.alloc()]
+        except SlotsExhausted:
+            pass
+        try:
+            if len(slots) < 2:
+                return
+            gen = torch.Generator().manual_seed(0)
+
+            def tokens(n: int) -> list[int]:
+                return torch.randint(0, self.config.vocab_size, (n,), generator=gen).tolist()
+
+            a, b = slots
+            self.prefill([a], [tokens(1)])
+            self.prefill([a, b], [tokens(self.WARM_UP_PROMPT), tokens(self.WARM_UP_PROMPT)])
+            for n in self.WARM_UP_CONTINUATIONS:
+                self.prefill([a], [tokens(n)])
+            self.decode([a], [0])
+            torch.cuda.synchronize(self.device)
+        finally:
+            for slot in slots:
+                self.pool.free(slot)
 
     @torch.no_grad()
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -156,6 +156,7 @@ class DraftModel:
             self.lm.decode([slot], [0])
         finally:
             self.lm.pool.free(slot)
+        runner.capture_commits([1])  # a drafter commits one sequence's path at a time
 
     @property
     def device(self) -> torch.device:

@@ -135,8 +135,8 @@ def commit_meta(items: Sequence[tuple[Pending, Sequence[int]]], paths: list[list
     Item b's Mamba2 rows are its path's stash rows padded to `steps` with its last one (the kernels
     stop at path_len); its attention rows are packed from cu_paths[b], then padded to `attn_rows`
     with row 0, which the KV write ignores (past cu_paths[-1]). Items past len(items) are no-ops on
-    `pad_slot`: path length 0. An eager commit passes batch = len(items), steps = the longest path,
-    attn_rows = the paths' total; a graph passes its bucket's sizes."""
+    `pad_slot`: path length 0. An eager commit passes batch = len(items), steps = `eager_steps` of
+    the longest path, attn_rows = the paths' total; a graph passes its bucket's sizes."""
     n = len(items)
     lens = [p.length for p, _ in items] + [0] * (batch - n)
     plen = [len(path) for path in paths] + [0] * (batch - n)
@@ -151,6 +151,13 @@ def commit_meta(items: Sequence[tuple[Pending, Sequence[int]]], paths: list[list
     attn += [0] * (attn_rows - len(attn))
     slots = [p.slot for p, _ in items] + [pad_slot] * (batch - n)
     return torch.tensor(slots + lens + plen + cu + mamba + attn, dtype=torch.int64)
+
+
+def eager_steps(longest: int) -> int:
+    """The path axis of an eager commit: the longest path rounded up to a power of two. The commit
+    kernels unroll over this axis, so each value is a compile of its own on CUDA (0.2-1.3 s up to
+    16 steps on an H100); rounding keeps them to a few. Steps past an item's path_len are skipped."""
+    return 1 << (longest - 1).bit_length()
 
 
 def run_commit(pool: StatePool, stash: VerifyStash, meta: torch.Tensor, batch: int, steps: int, attn_rows: int,
@@ -214,7 +221,7 @@ def commit(
         if any(p.stash is not stash for p, _ in items):
             stash, moved = merged_stash(items)
             pendings = [(m, path) for m, (_, path) in zip(moved, items)]
-        steps = max(len(p) for p in paths)
+        steps = eager_steps(max(len(p) for p in paths))
         attn_rows = sum(len(p) for p in paths)
         meta = commit_meta(pendings, paths, len(items), steps, attn_rows, pool.scratch_slot).to(pool.device)
         run_commit(pool, stash, meta, len(items), steps, attn_rows, A_all, dt_bias_all, dt_limit)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models import HybridLM
-from models.graphs import GraphRunner
+from models.graphs import PREPARED_PATH, GraphRunner
 from tests.models.hf_zoo import hf_logits, random_prompt
 from tests.models.trees import random_tree
 
@@ -119,3 +119,54 @@ def test_graph_commit_is_the_eager_commit_bit_for_bit(saved, arch):
             assert torch.equal(t, eager[name]), name
         assert all(p.consumed for p, _ in items)
         assert [lm.pool.length(s) for s in slots] == [n + len(p) for n, p in zip(lengths, paths)]
+
+
+def test_capture_all_takes_every_commit_bucket_before_the_first_commit(saved):
+    """After `capture_all` a commit of any batch and of a path up to `PREPARED_PATH` steps replays a
+    program captured then: none is captured on first use."""
+    path, _ = saved("bamba")
+    lm = HybridLM.from_pretrained(path, max_slots=4, max_len=48)
+    lm.graphs = GraphRunner(lm, node_buckets=(1, 4, 8, PREPARED_PATH, 2 * PREPARED_PATH), capture=False)
+    lm.graphs.capture_all()
+    held = dict(lm.graphs._commit)
+    assert set(held) == {(b, k) for b in lm.graphs.batch_buckets for k in (1, 4, 8, PREPARED_PATH)}
+    rng = random.Random(5)
+    slots = [lm.pool.alloc() for _ in range(3)]
+    lm.prefill(slots, [random_prompt(rng, n) for n in (5, 7, 4)])
+    for count, size in ((1, 8), (3, 4), (2, 1)):
+        trees = [random_tree(rng, rng.randrange(1, 96), size, "chain") for _ in range(count)]
+        res = lm.verify(slots[:count], trees)
+        lm.commit([(res.pending[i], t.path_to(t.size - 1)) for i, t in enumerate(trees)])
+    assert lm.graphs._commit == held
+
+
+def test_eager_commit_rounds_its_path_axis_to_a_power_of_two(saved, monkeypatch):
+    """The commit kernels unroll over the path axis: an eager commit pads it to a power of two, so
+    paths of 5..8 steps share one compiled program, and the state is the one of the exact paths."""
+    import models.verify as verify
+
+    path, _ = saved("bamba")
+    lm = HybridLM.from_pretrained(path, max_slots=4, max_len=48)
+    assert lm.graphs is None
+    steps, run = [], verify.run_commit
+
+    def counted(pool, stash, meta, batch, k, *rest):
+        steps.append(k)
+        return run(pool, stash, meta, batch, k, *rest)
+
+    monkeypatch.setattr(verify, "run_commit", counted)
+    rng = random.Random(6)
+    prompt = random_prompt(rng, 6)
+    for n in (1, 3, 5, 8):
+        slot = lm.pool.alloc()
+        lm.prefill([slot], [prompt])
+        tree = random_tree(rng, rng.randrange(1, 96), n, "chain")
+        res = lm.verify([slot], [tree])
+        lm.commit([(res.pending[0], tree.path_to(n - 1))])
+        after = lm.decode([slot], [7])[0]
+        lm.pool.free(slot)
+        slot = lm.pool.alloc()
+        lm.prefill([slot], [prompt + list(tree.tokens)])
+        assert torch.allclose(lm.decode([slot], [7])[0], after, atol=1e-5), n
+        lm.pool.free(slot)
+    assert steps == [1, 4, 8, 8]

@@ -7,7 +7,7 @@ Own subcommands (arguments defined here, help with `treeserve bench NAME --help`
 
 Pass-throughs (everything after the name goes to the module's own parser, so
 `treeserve bench model-runtime --help` shows its options):
-  ssm-kernels, attn-conv-kernels, model-runtime, verifier-service, drafter
+  ssm-kernels, attn-conv-kernels, model-runtime, commit-graphs, verifier-service, drafter, first-use
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ PASS_THROUGH = {
     "commit-graphs": ("bench.commit_graphs", "commits replayed as CUDA graphs against eager commits, one process"),
     "verifier-service": ("bench.verifier_service", "verifier service: nodes/s and gRPC overhead vs sequences"),
     "drafter": ("bench.drafter", "drafter: draft time per tree vs budget, draft-ahead in a greedy loop"),
+    "first-use": ("bench.first_use", "what a prompt, a catch-up and a decode cost at first use and after, and what "
+                                     "each compiles"),
 }
 
 

@@ -2,42 +2,21 @@
 decode launches: after it, prompts and continuations of other lengths at other positions, alone or
 packed together, compile nothing new.
 
-Compiled programs are counted in each kernel's in-memory cache (Triton's `JITFunction`), which
-the test empties first so that programs compiled by earlier tests in the process cannot hide one
-the warm-up misses. Skipped without CUDA."""
+Compiled programs are counted in each kernel's in-memory cache (`kernels.compiled`), which the
+test empties first so that programs compiled by earlier tests in the process cannot hide one the
+warm-up misses. Skipped without CUDA."""
 from __future__ import annotations
 
-import importlib
 import pathlib
-import pkgutil
 
 import pytest
 import torch
-from triton.runtime.jit import JITFunction
 
-import kernels
+from kernels.compiled import compiled, forget, jit_functions
 from models import HybridLM
 from tests.gpu.marks import compiled_triton, gpu  # noqa: F401 (fixture)
 
 DEMO = pathlib.Path(__file__).resolve().parents[2] / "models" / "demo"
-
-
-def jit_functions() -> dict[str, JITFunction]:
-    """Every Triton kernel of `kernels/`, under module.name (wrappers such as autotuners unwrapped)."""
-    found = {}
-    for info in pkgutil.iter_modules(kernels.__path__):
-        module = importlib.import_module(f"kernels.{info.name}")
-        for name, obj in vars(module).items():
-            while obj is not None and not isinstance(obj, JITFunction):
-                obj = getattr(obj, "fn", None)
-            if obj is not None:
-                found[f"{info.name}.{name}"] = obj
-    return found
-
-
-def compiled(fns: dict[str, JITFunction]) -> set[tuple[str, str]]:
-    """(kernel, specialisation key) of every program compiled so far."""
-    return {(name, str(key)) for name, fn in fns.items() for caches in fn.device_caches.values() for key in caches[0]}
 
 
 @gpu
@@ -46,8 +25,7 @@ def test_nothing_compiles_after_warm_up(model):
     lm = HybridLM.from_pretrained(DEMO / model, device="cuda", dtype=torch.bfloat16, max_slots=4, max_len=2048,
                                   cuda_graphs=False)
     fns = jit_functions()
-    for fn in fns.values():
-        fn.device_caches.clear()  # the binder and cache are rebuilt on the next launch
+    forget(fns)
     lm.warm_up()
     warm = compiled(fns)
     assert warm, "the warm-up compiled nothing"

@@ -5,13 +5,15 @@ seen and after, and which Triton programs each compiles.
     python -m bench.first_use --model models/demo/target --out first_use.json
     python -m bench.first_use --model models/demo/drafter --no-warm-up --out first_use_cold.json
 
-A compile costs 0.1-2 s and Triton keeps compiled programs on disk (~/.triton/cache): a second
-run on the same machine loads them instead (milliseconds, still listed as compiles). To see cold
-compiles, point TRITON_CACHE_DIR at an empty directory.
+Triton keeps compiled programs on disk (~/.triton/cache): a second run on the same machine loads
+them instead (milliseconds, still listed as compiled). To see cold compiles, point TRITON_CACHE_DIR
+at an empty directory.
 
 Without `--no-warm-up` the model runs `HybridLM.warm_up` first (as the verifier and the drafter do at
 start-up) and its time and programs are reported; every later call should then compile nothing.
-Reported per call: host-measured ms (device synchronised) and the programs compiled during it.
+Reported per call: host-measured ms (device synchronised) and the kernels that compiled a program
+during it. The model runs as the services run it: decode through CUDA graphs (its first call
+captures the one-sequence graph), prefill eagerly.
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ def main(argv=None) -> int:
         now = compiled(fns)
         new = sorted({name for name, _ in now - seen})
         seen = now
-        calls.append({"call": what, "ms": round(ms, 3), "compiled": new})
+        calls.append({"call": what, "ms": round(ms, 3), "kernels_compiled": new})
         print(f"{what:>28}: {ms:9.2f} ms  {', '.join(new) if new else '-'}", flush=True)
 
     if not args.no_warm_up:
@@ -72,11 +74,12 @@ def main(argv=None) -> int:
     for rep in range(args.repeat):
         slots = []
         for n in PROMPTS:
-            slot = lm.pool.alloc()
+            slot, prompt = lm.pool.alloc(), tokens(n)
             slots.append(slot)
-            timed(f"pass {rep} prompt {n}", lambda: lm.prefill([slot], [tokens(n)]))
+            timed(f"pass {rep} prompt {n}", lambda: lm.prefill([slot], [prompt]))
         for n in CATCH_UPS:
-            timed(f"pass {rep} catch-up {n} at {lm.pool.length(slots[0])}", lambda: lm.prefill([slots[0]], [tokens(n)]))
+            appended = tokens(n)
+            timed(f"pass {rep} catch-up {n} at {lm.pool.length(slots[0])}", lambda: lm.prefill([slots[0]], [appended]))
         timed(f"pass {rep} decode", lambda: lm.decode([slots[0]], [1]))
         for slot in slots:
             lm.pool.free(slot)

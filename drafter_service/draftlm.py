@@ -120,7 +120,7 @@ class DraftModel:
                     trim=kept, trim_source=str(trim))
         if cuda_graphs is None:
             cuda_graphs = lm.graphs_supported
-        lm.warm_up()  # no sequence's start or catch-up pays a kernel compile (CUDA only)
+        lm.warm_up()  # no sequence's start, catch-up or commit compiles a kernel at a request (CUDA only)
         if cuda_graphs:
             model.use_graphs()
         return model
@@ -132,21 +132,25 @@ class DraftModel:
 
         The drafter runs one tree at a time, so the runner's shared stash is sized for one tree of
         the largest node bucket, not for a batch of every slot; with capture, every single-tree
-        bucket is captured now. The graphs of a dynamic tree's growth (`grow`) are captured at the
-        first tree of each budget, depth and pick rule (with its support and its transform's truncations:
-        whether top-k and top-p apply, not their values; at most `MAX_GROWTHS` shapes),
-        under `models.graphs.CAPTURE_LOCK`, which every device step of this model and of its
-        callers' pickers holds (`exclusive`), so no drafter work runs beside a capture."""
+        verify bucket, the one-slot decode and the one-path commits of up to
+        `models.graphs.PREPARED_PATH` steps are captured now. The graphs of a dynamic tree's
+        growth (`grow`) are captured at the first tree of each budget, depth and pick rule (with
+        its support and its transform's truncations: whether top-k and top-p apply, not their
+        values; at most `MAX_GROWTHS` shapes), under `models.graphs.CAPTURE_LOCK`, which every
+        device step of this model and of its callers' pickers holds (`exclusive`), so no drafter
+        work runs beside a capture."""
         from models.graphs import NODE_BUCKETS
 
         with self._call():
             self._growths.clear()  # their steps write the stash of the runner they were built for
             runner = self.lm.use_graphs(capture, max_rows=max(NODE_BUCKETS))
             if capture:
-                self._warm_up(runner)
+                self._capture_buckets(runner)
         self.forward_ms = 0.0  # start-up work is not drafting time
 
-    def _warm_up(self, runner) -> None:
+    def _capture_buckets(self, runner) -> None:
+        """Capture what one tree at a time replays: each verify bucket (by running it once), the
+        decode of one slot, the commits of one path."""
         slot = self.lm.pool.alloc()
         try:
             for n in runner.node_buckets:

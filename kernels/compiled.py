@@ -10,7 +10,9 @@ from triton.runtime.jit import JITFunction
 
 
 def jit_functions() -> dict[str, JITFunction]:
-    """Every Triton kernel of `kernels/`, as module.name (wrappers such as autotuners unwrapped)."""
+    """Every `@triton.jit` function of `kernels/`, as module.name (wrappers such as autotuners
+    unwrapped). Helpers that kernels call (`silu`, ...) and functions one module imports from
+    another are listed too, under each name; only launched kernels ever hold compiled programs."""
     import kernels
 
     found = {}

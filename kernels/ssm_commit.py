@@ -69,6 +69,31 @@ def ssm_state_commit_ref(ssm_state, slot_idx, x, dt, B, rows, path_len, A, dt_bi
     state[slots] = torch.exp(total)[..., None, None] * state[slots] + inputs
 
 
+# Paths up to this many steps run an unrolled loop; longer ones a loop over the path's own length.
+# The unrolled program's compile time grows steeply with its steps: on an H100 about 1.3 s at 16,
+# 6 s at 32 and 33 s at 64 (BENCHMARKS.md, twenty-ninth round), stalling a replica at the first
+# commit of a long path.
+UNROLLED_STEPS = 16
+
+
+@triton.jit
+def _commit_step(acc, after, k, plen, row_ptr, x_ptr, dt_ptr, B_ptr, layer, h, g, A, bias, dt_lo, dt_hi,
+                 sx_r, sx_l, sx_h, sx_p, sdt_r, sdt_l, sdt_h, sb_r, sb_l, sb_g, sb_n, offs_p, p_ok, offs_n, n_ok):
+    """Step k of the path (nothing when k >= plen) folded into (acc (BP, BN), after): acc gains
+    exp(after) dt_k x_k (x) B_k, after gains dA_k."""
+    live = k < plen
+    row = tl.load(row_ptr).to(tl.int64)
+    dt = tl.load(dt_ptr + row * sdt_r + layer * sdt_l + h * sdt_h).to(tl.float32)
+    dt = tl.where(live, softplus_clamped(dt + bias, dt_lo, dt_hi), 0.0)
+    x = tl.load(x_ptr + row * sx_r + layer * sx_l + h * sx_h + offs_p * sx_p, mask=p_ok & live, other=0.0)
+    Bv = tl.load(B_ptr + row * sb_r + layer * sb_l + g * sb_g + offs_n * sb_n, mask=n_ok & live, other=0.0)
+    x = x.to(tl.float32)
+    Bv = Bv.to(tl.float32)
+    acc += (tl.exp(after) * dt * x)[:, None] * Bv[None, :]
+    after += dt * A
+    return acc, after
+
+
 @triton.jit
 def _commit_kernel(
     state_ptr, slot_ptr, x_ptr, dt_ptr, B_ptr, rows_ptr, len_ptr, A_ptr, bias_ptr,
@@ -76,11 +101,12 @@ def _commit_kernel(
     ss_s, ss_l, ss_h, ss_p, ss_n, sx_r, sx_l, sx_h, sx_p, sdt_r, sdt_l, sdt_h, sb_r, sb_l, sb_g, sb_n,
     srow_b, srow_k,
     K: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    PDL: tl.constexpr,
+    UNROLL: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (sequence, layer x head, headdim tile). Steps are walked from the last to the
     first so the decay after each step is a running sum of the steps already seen (exact, no
-    differences)."""
+    differences). UNROLL: all K steps unrolled (the steps past path_len add exact zeros); else a
+    loop over the path's own steps."""
     release_next(PDL)
     wait_for_previous(PDL)  # every input below may come from the kernel before
     b = tl.program_id(0)
@@ -103,25 +129,27 @@ def _commit_kernel(
     bias = tl.load(bias_ptr + lh).to(tl.float32)
     after = A * 0.0  # dA summed over the accepted steps after the current one
     acc = tl.zeros([BP, BN], dtype=tl.float32)
-    for t in tl.static_range(K):
-        k = K - 1 - t
-        live = k < plen
-        row = tl.load(rows_ptr + b * srow_b + k * srow_k).to(tl.int64)
-        dt = tl.load(dt_ptr + row * sdt_r + layer * sdt_l + h * sdt_h).to(tl.float32)
-        dt = tl.where(live, softplus_clamped(dt + bias, dt_lo, dt_hi), 0.0)
-        x = tl.load(x_ptr + row * sx_r + layer * sx_l + h * sx_h + offs_p * sx_p, mask=p_ok & live, other=0.0)
-        Bv = tl.load(B_ptr + row * sb_r + layer * sb_l + g * sb_g + offs_n * sb_n, mask=n_ok & live, other=0.0)
-        x = x.to(tl.float32)
-        Bv = Bv.to(tl.float32)
-        acc += (tl.exp(after) * dt * x)[:, None] * Bv[None, :]
-        after += dt * A
+    row_ptrs = rows_ptr + b * srow_b
+    if UNROLL:
+        for t in tl.static_range(K):
+            k = K - 1 - t
+            acc, after = _commit_step(acc, after, k, plen, row_ptrs + k * srow_k, x_ptr, dt_ptr, B_ptr, layer, h, g,
+                                      A, bias, dt_lo, dt_hi, sx_r, sx_l, sx_h, sx_p, sdt_r, sdt_l, sdt_h,
+                                      sb_r, sb_l, sb_g, sb_n, offs_p, p_ok, offs_n, n_ok)
+    else:
+        for t in range(0, plen):
+            k = plen - 1 - t
+            acc, after = _commit_step(acc, after, k, plen, row_ptrs + k * srow_k, x_ptr, dt_ptr, B_ptr, layer, h, g,
+                                      A, bias, dt_lo, dt_hi, sx_r, sx_l, sx_h, sx_p, sdt_r, sdt_l, sdt_h,
+                                      sb_r, sb_l, sb_g, sb_n, offs_p, p_ok, offs_n, n_ok)
     tl.store(st_ptrs, tl.exp(after) * h0 + acc, mask=st_mask)
 
 
 def ssm_state_commit(ssm_state, slot_idx, x, dt, B, rows, path_len, A, dt_bias, dt_limit, *,
-                     block_p: int | None = None, num_warps: int | None = None):
+                     block_p: int | None = None, num_warps: int | None = None, unrolled_steps: int = UNROLLED_STEPS):
     """Triton `ssm_state_commit`: same contract as `ssm_state_commit_ref` (in place on `ssm_state`).
-    Keyword-only tuning knobs (benchmarks): `block_p` headdim rows per program, `num_warps`."""
+    Keyword-only tuning knobs (benchmarks, tests): `block_p` headdim rows per program, `num_warps`,
+    `unrolled_steps` the longest path axis K that runs unrolled."""
     state, x, dt, B, A, dt_bias = _layered(ssm_state, x, dt, B, A, dt_bias)
     S, L, H, P, N = state.shape
     nb, K = rows.shape
@@ -141,7 +169,7 @@ def ssm_state_commit(ssm_state, slot_idx, x, dt, B, rows, path_len, A, dt_bias, 
         dt_bias.contiguous() if dt_bias is not None else torch.zeros_like(A),
         H, hpg, lo, hi,
         *state.stride(), *x.stride(), *dt.stride(), *B.stride(), *rows.stride(),
-        K=K, P=P, N=N, BP=bp, BN=bn,
+        K=K, P=P, N=N, BP=bp, BN=bn, UNROLL=K <= unrolled_steps,
         **pdl.launch_options(state.device),
         num_warps=num_warps or 4,
     )

@@ -60,10 +60,10 @@ def _no_collection():
 
 
 NODE_BUCKETS = (1, 4, 8, 16, 32, 64, 128)
-# Path-length buckets up to this are captured for commits at start-up (`capture_commits`). The
-# commit kernel unrolls its path loop, so its compile grows fast with the bucket: on an H100 about
-# 1.3 s at 16, 6 s at 32 and 33 s at 64 steps. An accepted path is a tree's depth plus one, rarely
-# past 16.
+# Path-length buckets up to this are captured for commits at start-up (`capture_commits`): an
+# accepted path is a tree's depth plus one, rarely past 16. Up to 16 steps the SSM commit kernel
+# unrolls its path (kernels/ssm_commit.UNROLLED_STEPS); unrolled, its compile grew to 6 s at 32
+# steps and 33 s at 64 on an H100 (BENCHMARKS.md, twenty-ninth round).
 PREPARED_PATH = 16
 
 
@@ -215,7 +215,8 @@ class GraphRunner:
         return True
 
     def capture_all(self) -> None:
-        """Capture every bucket now (start-up), instead of on first use: decode, verify, commit."""
+        """Capture now (start-up) instead of on first use: every decode and verify bucket, and the
+        commits of every batch bucket up to `PREPARED_PATH` steps."""
         for Bb in self.batch_buckets:
             if Bb not in self._decode:
                 self._capture_decode(Bb)

@@ -12,7 +12,7 @@ Every mode runs one forward over the packed batch (docs/internals.md, "models/")
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -48,6 +48,13 @@ from models.loading import (
 )
 from models.state import StatePool
 from models.verify import Pending, VerifyResult, VerifyStash, commit as commit_paths
+
+
+class _Chain(NamedTuple):
+    """A chain tree for the warm-up: `tokens`, and `parents` (-1 for the root)."""
+
+    tokens: tuple
+    parents: tuple
 
 
 class _Norm(nn.Module):
@@ -288,50 +295,66 @@ class HybridLM(nn.Module):
             raise ValueError(f"{what}: token {bad[0]} outside the vocabulary [0, {V})")
 
     # One slot takes a one-token prompt, then 40 tokens packed beside another slot's 40-token
-    # prompt, then continuations of these lengths, then a decode step. Between them they launch
-    # every program that a prefill of one or more prompts and a one-sequence decode can: each
-    # kernel with and without an earlier state and at one row and at many (a one-row input's
-    # strides differ), each row tile of the KV write (1, 2, 4, 8, 16, 32 rows), the one-row and
-    # few-rows projections (the LM head's too: it reads a row per prompt) and cuBLAS. Sizes that
+    # prompt, then continuations of these lengths, a decode step, and a verify and commit of a
+    # chain of each length in WARM_UP_PATHS. Between them they launch every Triton program that a
+    # prefill of one or more prompts, a one-sequence decode and a one-sequence commit of up to 16
+    # steps can: each kernel with and without an earlier state and at one row and at many (a
+    # one-row input's strides differ), each row tile of the KV write (1, 2, 4, 8, 16, 32 rows), the
+    # one-row and few-rows projections (the LM head's too: it reads a row per prompt), and the
+    # commit programs of the path buckets 1, 4, 8 and 16 (`models.verify.eager_steps`). Sizes that
     # vary per call are not specialised on (`do_not_specialize` in kernels/), so no other length
-    # compiles anything new (tests/gpu/test_warm_up.py). Not covered: eager decode of several
-    # sequences (with CUDA graphs, each batch size compiles once, at its capture), and more than
-    # 16 prompts packed in one prefill.
+    # compiles anything new (tests/gpu/test_warm_up.py checks the Triton programs; cuBLAS and
+    # SDPA pick their kernels by themselves). Not covered: decode and verify of several sequences
+    # (with CUDA graphs, each batch size compiles once, at its capture) and more than 16 prompts
+    # packed in one prefill. With one free slot, the packed prompts are left out.
     WARM_UP_CONTINUATIONS = (1, 2, 4, 8, 16)
     WARM_UP_PROMPT = 40
+    WARM_UP_PATHS = (1, 4, 8, 16)
 
     @torch.no_grad()
     def warm_up(self) -> None:
-        """Compile, before the first request, every Triton program that a prefill of any length or
-        a decode step launches, on two slots taken and given back here. A JIT compile costs
-        0.1-1.3 s on an H100: otherwise a prompt or a drafter's catch-up of a length not seen
-        before pays it. Nothing to do off CUDA (the reference twins run there), or when two slots
-        are not free or a slot holds fewer tokens than the warm-up."""
-        longest = 1 + self.WARM_UP_PROMPT + sum(self.WARM_UP_CONTINUATIONS) + 1
-        if self.device.type != "cuda" or longest > self.pool.max_len:
+        """On CUDA, compile before the first request what a prefill of any length, a one-sequence
+        decode and its commits launch (see WARM_UP_PATHS), on slots taken and given back here: a
+        prompt or a drafter's catch-up of a length not seen before otherwise paid a compile of up
+        to a few seconds (BENCHMARKS.md, twenty-ninth round). Run it before the model serves: it
+        takes no lock. Nothing to do off CUDA (the reference twins run there)."""
+        if self.device.type != "cuda":
+            return
+        self.warm_up_calls()
+        torch.cuda.synchronize(self.device)
+
+    @torch.no_grad()
+    def warm_up_calls(self) -> None:
+        """The warm-up's model calls, on any device: up to two slots taken and given back, nothing
+        done when none is free or a slot holds fewer tokens than the calls need."""
+        need = 1 + self.WARM_UP_PROMPT + sum(self.WARM_UP_CONTINUATIONS) + 1 + sum(self.WARM_UP_PATHS)
+        if need > self.pool.max_len:
             return
         slots = []
         try:
-            slots = [self.pool.alloc(), self.pool.alloc()]
+            for _ in range(2):
+                slots.append(self.pool.alloc())
         except SlotsExhausted:
             pass
         try:
-            if len(slots) < 2:
+            if not slots:
                 return
             gen = torch.Generator().manual_seed(0)
 
             def tokens(n: int) -> list[int]:
                 return torch.randint(0, self.config.vocab_size, (n,), generator=gen).tolist()
 
-            a, b = slots
+            a = slots[0]
             self.prefill([a], [tokens(1)])
-            self.prefill([a, b], [tokens(self.WARM_UP_PROMPT), tokens(self.WARM_UP_PROMPT)])
+            self.prefill(slots, [tokens(self.WARM_UP_PROMPT) for _ in slots])
             for n in self.WARM_UP_CONTINUATIONS:
                 self.prefill([a], [tokens(n)])
             self.decode([a], [0])
-            torch.cuda.synchronize(self.device)
+            for k in self.WARM_UP_PATHS:
+                res = self.verify([a], [_Chain(tuple(tokens(k)), tuple(range(-1, k - 1)))])
+                self.commit([(res.pending[0], list(range(k)))])
         finally:
-            for slot in slots:
+            for slot in reversed(slots):  # the pool hands out its lowest slot first again
                 self.pool.free(slot)
 
     @torch.no_grad()

@@ -154,10 +154,14 @@ def commit_meta(items: Sequence[tuple[Pending, Sequence[int]]], paths: list[list
 
 
 def eager_steps(longest: int) -> int:
-    """The path axis of an eager commit: the longest path rounded up to a power of two. The commit
-    kernels unroll over this axis, so each value is a compile of its own on CUDA (0.2-1.3 s up to
-    16 steps on an H100); rounding keeps them to a few. Steps past an item's path_len are skipped."""
-    return 1 << (longest - 1).bit_length()
+    """The path axis of an eager commit: the smallest path bucket of the graphs that holds the
+    longest path (`models.graphs.NODE_BUCKETS`; past them the next power of two). The SSM commit
+    kernel compiles a program per axis length (it unrolls up to 16 steps, masking those past an
+    item's path_len, and loops beyond), so an eager commit runs a program that the warm-up or a
+    graph's capture has compiled already."""
+    from models.graphs import NODE_BUCKETS  # models.graphs imports this module
+
+    return next((b for b in NODE_BUCKETS if b >= longest), 1 << (longest - 1).bit_length())
 
 
 def run_commit(pool: StatePool, stash: VerifyStash, meta: torch.Tensor, batch: int, steps: int, attn_rows: int,

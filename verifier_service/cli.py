@@ -91,7 +91,7 @@ def start(
         model, device=dev, dtype=getattr(torch, DTYPES[dtype]), max_slots=limits.max_sequences,
         max_len=limits.max_sequence_length, cuda_graphs=GRAPH_MODES[cuda_graphs],
     )
-    lm.warm_up()  # no request pays a kernel compile (CUDA only)
+    lm.warm_up()  # no prefill, one-sequence decode or short commit compiles at a request (CUDA only)
     if cuda_graphs == "startup" and lm.graphs is not None:
         lm.graphs.capture_all()
     info = ModelInfo(name=pathlib.Path(model).resolve().name, device=str(dev), eos_token_ids=eos_ids(lm))

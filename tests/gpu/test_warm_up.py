@@ -1,6 +1,7 @@
-"""`HybridLM.warm_up` compiles every Triton program that a prefill of any length or a one-sequence
-decode launches: after it, prompts and continuations of other lengths at other positions, alone or
-packed together, compile nothing new.
+"""`HybridLM.warm_up` compiles every Triton program that a prefill of any length, a one-sequence
+decode and a one-sequence verify and commit of up to 16 steps launch: after it, prompts and
+continuations of other lengths at other positions, alone or packed together, and chains of other
+lengths verified and committed, compile nothing new.
 
 Compiled programs are counted in each kernel's in-memory cache (`kernels.compiled`), which the
 test empties first so that programs compiled by earlier tests in the process cannot hide one the
@@ -8,6 +9,7 @@ warm-up misses. Skipped without CUDA."""
 from __future__ import annotations
 
 import pathlib
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -17,6 +19,11 @@ from models import HybridLM
 from tests.gpu.marks import compiled_triton, gpu  # noqa: F401 (fixture)
 
 DEMO = pathlib.Path(__file__).resolve().parents[2] / "models" / "demo"
+
+
+class Chain(NamedTuple):
+    tokens: tuple
+    parents: tuple
 
 
 @gpu
@@ -29,7 +36,7 @@ def test_nothing_compiles_after_warm_up(model):
     lm.warm_up()
     warm = compiled(fns)
     assert warm, "the warm-up compiled nothing"
-    assert lm.pool.in_use() == [], "the warm-up kept its slot"
+    assert lm.pool.in_use() == [], "the warm-up kept a slot"
 
     gen = torch.Generator().manual_seed(1)
 
@@ -43,6 +50,12 @@ def test_nothing_compiles_after_warm_up(model):
             lm.prefill([slot], [tokens(n)])
         lm.decode([slot], [5])
         lm.pool.free(slot)
+    slot = lm.pool.alloc()
+    lm.prefill([slot], [tokens(30)])
+    for k in (2, 3, 5, 9, 13, 16):
+        res = lm.verify([slot], [Chain(tuple(tokens(k)), tuple(range(-1, k - 1)))])
+        lm.commit([(res.pending[0], list(range(k)))])
+    lm.pool.free(slot)
     slots = [lm.pool.alloc() for _ in range(3)]
     lm.prefill(slots, [tokens(5), tokens(19), tokens(40)])  # several prompts packed in one prefill
     torch.cuda.synchronize()

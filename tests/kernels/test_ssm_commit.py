@@ -25,10 +25,22 @@ def check(args, tol):
 
 @pytest.mark.parametrize(
     "lens,K,H,P,N,G",
-    [([1, 4, 2], 4, 4, 16, 16, 2), ([6, 1], 6, 2, 24, 40, 1), ([3], 3, 4, 8, 16, 4), ([2, 5], 5, 1, 32, 128, 1)],
+    [([1, 4, 2], 4, 4, 16, 16, 2), ([6, 1], 6, 2, 24, 40, 1), ([3], 3, 4, 8, 16, 4), ([2, 5], 5, 1, 32, 128, 1),
+     ([20, 3, 17], 20, 2, 16, 16, 1)],  # past UNROLLED_STEPS: the loop over each path's own steps
 )
 def test_matches_oracle(lens, K, H, P, N, G):
     check(commit_case(lens, K, H, P, N, G, seed=sum(lens) + K), 1e-4)
+
+
+def test_loop_equals_unrolled_steps():
+    """The loop over a path's own steps (long paths) gives the unrolled program's states to the bit."""
+    case = commit_case([1, 4, 2, 0], 4, 4, 16, 16, 2, seed=12)
+    pool0 = case["ssm_state"].clone()
+    unrolled, looped = pool0.clone(), pool0.clone()
+    ssm_state_commit(**{**case, "ssm_state": unrolled})
+    ssm_state_commit(**{**case, "ssm_state": looped}, unrolled_steps=0)
+    assert torch.equal(looped, unrolled)
+    assert not torch.equal(looped, pool0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -121,28 +121,35 @@ def test_graph_commit_is_the_eager_commit_bit_for_bit(saved, arch):
         assert [lm.pool.length(s) for s in slots] == [n + len(p) for n, p in zip(lengths, paths)]
 
 
-def test_capture_all_takes_every_commit_bucket_before_the_first_commit(saved):
-    """After `capture_all` a commit of any batch and of a path up to `PREPARED_PATH` steps replays a
-    program captured then: none is captured on first use."""
+def test_capture_all_takes_the_short_commits_before_the_first_commit(saved, monkeypatch):
+    """After `capture_all`, a commit of any batch and of a path up to `PREPARED_PATH` steps replays
+    a program captured then: none is captured on first use, and none falls back to eager."""
     path, _ = saved("bamba")
     lm = HybridLM.from_pretrained(path, max_slots=4, max_len=48)
     lm.graphs = GraphRunner(lm, node_buckets=(1, 4, 8, PREPARED_PATH, 2 * PREPARED_PATH), capture=False)
     lm.graphs.capture_all()
-    held = dict(lm.graphs._commit)
-    assert set(held) == {(b, k) for b in lm.graphs.batch_buckets for k in (1, 4, 8, PREPARED_PATH)}
+    assert set(lm.graphs._commit) == {(b, k) for b in lm.graphs.batch_buckets for k in (1, 4, 8, PREPARED_PATH)}
+
+    def no_capture(*args):
+        raise AssertionError(f"commit captured on first use: {args}")
+
+    monkeypatch.setattr(lm.graphs, "_capture_commit", no_capture)
+    replayed, graph_commit = [], lm.graphs.commit
+    monkeypatch.setattr(lm.graphs, "commit", lambda *a: replayed.append(graph_commit(*a)) or replayed[-1])
     rng = random.Random(5)
     slots = [lm.pool.alloc() for _ in range(3)]
     lm.prefill(slots, [random_prompt(rng, n) for n in (5, 7, 4)])
-    for count, size in ((1, 8), (3, 4), (2, 1)):
+    for count, size in ((1, 8), (3, 4), (2, 1), (1, PREPARED_PATH)):
         trees = [random_tree(rng, rng.randrange(1, 96), size, "chain") for _ in range(count)]
         res = lm.verify(slots[:count], trees)
         lm.commit([(res.pending[i], t.path_to(t.size - 1)) for i, t in enumerate(trees)])
-    assert lm.graphs._commit == held
+    assert replayed == [True] * 4
 
 
-def test_eager_commit_rounds_its_path_axis_to_a_power_of_two(saved, monkeypatch):
-    """The commit kernels unroll over the path axis: an eager commit pads it to a power of two, so
-    paths of 5..8 steps share one compiled program, and the state is the one of the exact paths."""
+def test_eager_commit_rounds_its_path_axis_to_the_path_buckets(saved, monkeypatch):
+    """The SSM commit kernel compiles a program per path axis length: an eager commit pads the axis
+    to the graphs' path buckets (1, 4, 8, ...), so paths of 5..8 steps share one program, and the
+    state is the one of the exact paths."""
     import models.verify as verify
 
     path, _ = saved("bamba")

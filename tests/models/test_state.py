@@ -27,6 +27,26 @@ def test_exhaustion_and_reuse(saved):
     lm.commit([])
 
 
+@pytest.mark.parametrize("free", [0, 1, 3])
+def test_the_warm_up_gives_back_every_slot_it_takes(saved, free):
+    """`warm_up`'s calls (on CUDA they compile; here the reference twins run them) take up to two
+    slots and give them all back, in the pool's order, whether one, several or none are free;
+    the other slots' states are untouched."""
+    lm = HybridLM.from_pretrained(saved("nemotron_h")[0], max_slots=4, max_len=256)
+    held = [lm.pool.alloc() for _ in range(4 - free)]
+    if held:
+        lm.prefill(held[:1], [[1, 2, 3]])
+    before = (lm.pool.ssm.clone(), lm.pool.conv.clone(), lm.pool.k.clone(), [lm.pool.length(s) for s in held])
+    order = list(lm.pool._free)
+    lm.warm_up_calls()
+    assert sorted(lm.pool.in_use()) == sorted(held)
+    assert lm.pool._free == order
+    for s in held:
+        assert torch.equal(lm.pool.ssm[s], before[0][s]) and torch.equal(lm.pool.conv[s], before[1][s])
+        assert torch.equal(lm.pool.k[s], before[2][s])
+    assert [lm.pool.length(s) for s in held] == before[3]
+
+
 @pytest.mark.parametrize("arch", ["mamba2", "nemotron_h"])
 def test_a_reused_slot_starts_empty(saved, arch):
     """Decode and verify from length 0 on a slot that held another sequence give what they give on

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from models import HybridLM, SequenceTooLong, SlotsExhausted, StaleHandle
-from tests.models.hf_zoo import random_prompt
+from tests.models.hf_zoo import ARCHS, random_prompt
 from tests.models.trees import random_tree
 
 
@@ -27,24 +27,25 @@ def test_exhaustion_and_reuse(saved):
     lm.commit([])
 
 
-@pytest.mark.parametrize("free", [0, 1, 3])
-def test_the_warm_up_gives_back_every_slot_it_takes(saved, free):
-    """`warm_up`'s calls (on CUDA they compile; here the reference twins run them) take up to two
-    slots and give them all back, in the pool's order, whether one, several or none are free;
-    the other slots' states are untouched."""
-    lm = HybridLM.from_pretrained(saved("nemotron_h")[0], max_slots=4, max_len=256)
+@pytest.mark.parametrize("arch,free", [("nemotron_h", 0), ("nemotron_h", 1), *((a, 3) for a in ARCHS)])
+def test_the_warm_up_gives_back_every_slot_it_takes(saved, arch, free):
+    """`warm_up`'s calls (on CUDA they compile; here the reference twins run them) work for every
+    architecture, take up to two slots and give them all back, in the pool's order, whether one,
+    several or none are free; the other slots' states are untouched."""
+    lm = HybridLM.from_pretrained(saved(arch)[0], max_slots=4, max_len=256)
     held = [lm.pool.alloc() for _ in range(4 - free)]
     if held:
         lm.prefill(held[:1], [[1, 2, 3]])
-    before = (lm.pool.ssm.clone(), lm.pool.conv.clone(), lm.pool.k.clone(), [lm.pool.length(s) for s in held])
-    order = list(lm.pool._free)
+    states = [name for name in ("ssm", "conv", "k", "v") if hasattr(lm.pool, name)]
+    before = {name: getattr(lm.pool, name).clone() for name in states}
+    lengths, order = [lm.pool.length(s) for s in held], list(lm.pool._free)
     lm.warm_up_calls()
     assert sorted(lm.pool.in_use()) == sorted(held)
     assert lm.pool._free == order
-    for s in held:
-        assert torch.equal(lm.pool.ssm[s], before[0][s]) and torch.equal(lm.pool.conv[s], before[1][s])
-        assert torch.equal(lm.pool.k[s], before[2][s])
-    assert [lm.pool.length(s) for s in held] == before[3]
+    for name in states:
+        for s in held:
+            assert torch.equal(getattr(lm.pool, name)[s], before[name][s]), (name, s)
+    assert [lm.pool.length(s) for s in held] == lengths
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "nemotron_h"])

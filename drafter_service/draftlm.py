@@ -156,7 +156,7 @@ class DraftModel:
             for n in runner.node_buckets:
                 if n > self.lm.pool.max_len:
                     break
-                self.lm.verify([slot], [TokenTree(tuple([0] * n), tuple(range(-1, n - 1)))], head=lambda h: None)
+                self.lm.verify([slot], [TokenTree.chain([0] * n)], head=lambda h: None)
             self.lm.decode([slot], [0])
         finally:
             self.lm.pool.free(slot)
@@ -245,9 +245,9 @@ class DraftModel:
         twenty-eighth round). Shapes `can_grow` refuses are skipped. Returns how many were built (eagerly,
         less any that the least-recently-used rule dropped meanwhile)."""
         held = len(self._growths)
+        pickers = [picker.bind(self.head) for picker in pickers]
         for budget, depth in shapes:
             for picker in pickers:
-                picker = picker.bind(self.head)
                 # one capture at a time under the locks (not `_call`: start-up work is not drafting time)
                 with self.exclusive():
                     if self.can_grow(budget, depth, picker):
@@ -299,8 +299,7 @@ class DraftModel:
         if hit is None:
             hit = self._build_growth(budget, depth, picker)
         self._growths[key] = hit  # most recent last
-        runner = self.lm.graphs
-        if runner is None or not runner.capture:
+        if not self.captures_growths:
             while len(self._growths) > MAX_GROWTHS:
                 self._growths.pop(next(iter(self._growths)))
         return hit

@@ -77,16 +77,16 @@ UNROLLED_STEPS = 16
 
 
 @triton.jit
-def _commit_step(acc, after, k, plen, row_ptr, x_ptr, dt_ptr, B_ptr, layer, h, g, A, bias, dt_lo, dt_hi,
-                 sx_r, sx_l, sx_h, sx_p, sdt_r, sdt_l, sdt_h, sb_r, sb_l, sb_g, sb_n, offs_p, p_ok, offs_n, n_ok):
+def _commit_step(acc, after, k, plen, row_ptr, x_at, sx_r, dt_at, sdt_r, B_at, sb_r, p_ok, n_ok, A, bias, dt_lo, dt_hi):
     """Step k of the path (nothing when k >= plen) folded into (acc (BP, BN), after): acc gains
-    exp(after) dt_k x_k (x) B_k, after gains dA_k."""
+    exp(after) dt_k x_k (x) B_k, after gains dA_k. x_at, dt_at, B_at: this program's x tile, dt
+    and B row in node row 0 (a row is `s*_r` on)."""
     live = k < plen
     row = tl.load(row_ptr).to(tl.int64)
-    dt = tl.load(dt_ptr + row * sdt_r + layer * sdt_l + h * sdt_h).to(tl.float32)
+    dt = tl.load(dt_at + row * sdt_r).to(tl.float32)
     dt = tl.where(live, softplus_clamped(dt + bias, dt_lo, dt_hi), 0.0)
-    x = tl.load(x_ptr + row * sx_r + layer * sx_l + h * sx_h + offs_p * sx_p, mask=p_ok & live, other=0.0)
-    Bv = tl.load(B_ptr + row * sb_r + layer * sb_l + g * sb_g + offs_n * sb_n, mask=n_ok & live, other=0.0)
+    x = tl.load(x_at + row * sx_r, mask=p_ok & live, other=0.0)
+    Bv = tl.load(B_at + row * sb_r, mask=n_ok & live, other=0.0)
     x = x.to(tl.float32)
     Bv = Bv.to(tl.float32)
     acc += (tl.exp(after) * dt * x)[:, None] * Bv[None, :]
@@ -130,18 +130,19 @@ def _commit_kernel(
     after = A * 0.0  # dA summed over the accepted steps after the current one
     acc = tl.zeros([BP, BN], dtype=tl.float32)
     row_ptrs = rows_ptr + b * srow_b
+    x_at = x_ptr + layer * sx_l + h * sx_h + offs_p * sx_p
+    dt_at = dt_ptr + layer * sdt_l + h * sdt_h
+    B_at = B_ptr + layer * sb_l + g * sb_g + offs_n * sb_n
     if UNROLL:
         for t in tl.static_range(K):
             k = K - 1 - t
-            acc, after = _commit_step(acc, after, k, plen, row_ptrs + k * srow_k, x_ptr, dt_ptr, B_ptr, layer, h, g,
-                                      A, bias, dt_lo, dt_hi, sx_r, sx_l, sx_h, sx_p, sdt_r, sdt_l, sdt_h,
-                                      sb_r, sb_l, sb_g, sb_n, offs_p, p_ok, offs_n, n_ok)
+            acc, after = _commit_step(acc, after, k, plen, row_ptrs + k * srow_k, x_at, sx_r, dt_at, sdt_r, B_at,
+                                      sb_r, p_ok, n_ok, A, bias, dt_lo, dt_hi)
     else:
         for t in range(0, plen):
             k = plen - 1 - t
-            acc, after = _commit_step(acc, after, k, plen, row_ptrs + k * srow_k, x_ptr, dt_ptr, B_ptr, layer, h, g,
-                                      A, bias, dt_lo, dt_hi, sx_r, sx_l, sx_h, sx_p, sdt_r, sdt_l, sdt_h,
-                                      sb_r, sb_l, sb_g, sb_n, offs_p, p_ok, offs_n, n_ok)
+            acc, after = _commit_step(acc, after, k, plen, row_ptrs + k * srow_k, x_at, sx_r, dt_at, sdt_r, B_at,
+                                      sb_r, p_ok, n_ok, A, bias, dt_lo, dt_hi)
     tl.store(st_ptrs, tl.exp(after) * h0 + acc, mask=st_mask)
 
 
@@ -163,13 +164,15 @@ def ssm_state_commit(ssm_state, slot_idx, x, dt, B, rows, path_len, A, dt_bias, 
     # sequences, both layer shapes, and 1.10-1.19x the floor from 16 sequences on (H200,
     # bench.batch_kernels --sweep, BENCHMARKS.md ninth round)
     bp = block_p or max(1, min(pow2(P, 1), 4096 // bn))
+    unroll = K <= unrolled_steps
     grid = (nb, L * H, triton.cdiv(P, bp))
     _commit_kernel[grid](
         state, as_int32(slot_idx), x, dt, B, rows, as_int32(path_len), A.contiguous(),
         dt_bias.contiguous() if dt_bias is not None else torch.zeros_like(A),
         H, hpg, lo, hi,
         *state.stride(), *x.stride(), *dt.stride(), *B.stride(), *rows.stride(),
-        K=K, P=P, N=N, BP=bp, BN=bn, UNROLL=K <= unrolled_steps,
+        # the loop reads no K: one program serves every longer path
+        K=K if unroll else 0, P=P, N=N, BP=bp, BN=bn, UNROLL=unroll,
         **pdl.launch_options(state.device),
         num_warps=num_warps or 4,
     )

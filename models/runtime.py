@@ -11,8 +11,9 @@ Every mode runs one forward over the packed batch (docs/internals.md, "models/")
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from models.config import (
     stateful_sublayers,
 )
 from models.errors import CheckpointError, SlotsExhausted
+from models.graphs import NODE_BUCKETS, PREPARED_PATH, GraphRunner
 from models.layers.attention import Attention
 from models.layers.mamba import MambaMixer
 from models.layers.mlp import MLP, MoE
@@ -48,13 +50,7 @@ from models.loading import (
 )
 from models.state import StatePool
 from models.verify import Pending, VerifyResult, VerifyStash, commit as commit_paths
-
-
-class _Chain(NamedTuple):
-    """A chain tree for the warm-up: `tokens`, and `parents` (-1 for the root)."""
-
-    tokens: tuple
-    parents: tuple
+from treeserve.tree import TokenTree
 
 
 class _Norm(nn.Module):
@@ -229,8 +225,6 @@ class HybridLM(nn.Module):
         Returns the runner."""
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the model is on {self.device}")
-        from models.graphs import GraphRunner
-
         self.graphs = GraphRunner(self, capture=capture, **options)
         return self.graphs
 
@@ -306,10 +300,10 @@ class HybridLM(nn.Module):
     # compiles anything new (tests/gpu/test_warm_up.py checks the Triton programs; cuBLAS and
     # SDPA pick their kernels by themselves). Not covered: decode and verify of several sequences
     # (with CUDA graphs, each batch size compiles once, at its capture) and more than 16 prompts
-    # packed in one prefill. With one free slot, the packed prompts are left out.
+    # packed in one prefill. With one free slot, the 40 tokens go to that slot alone.
     WARM_UP_CONTINUATIONS = (1, 2, 4, 8, 16)
     WARM_UP_PROMPT = 40
-    WARM_UP_PATHS = (1, 4, 8, 16)
+    WARM_UP_PATHS = tuple(b for b in NODE_BUCKETS if b <= PREPARED_PATH)  # the commits prepared at start-up
 
     @torch.no_grad()
     def warm_up(self) -> None:
@@ -332,11 +326,9 @@ class HybridLM(nn.Module):
             return
         slots = []
         try:
-            for _ in range(2):
-                slots.append(self.pool.alloc())
-        except SlotsExhausted:
-            pass
-        try:
+            with contextlib.suppress(SlotsExhausted):
+                for _ in range(2):
+                    slots.append(self.pool.alloc())
             if not slots:
                 return
             gen = torch.Generator().manual_seed(0)
@@ -351,7 +343,7 @@ class HybridLM(nn.Module):
                 self.prefill([a], [tokens(n)])
             self.decode([a], [0])
             for k in self.WARM_UP_PATHS:
-                res = self.verify([a], [_Chain(tuple(tokens(k)), tuple(range(-1, k - 1)))])
+                res = self.verify([a], [TokenTree.chain(tokens(k))])
                 self.commit([(res.pending[0], list(range(k)))])
         finally:
             for slot in reversed(slots):  # the pool hands out its lowest slot first again

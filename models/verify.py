@@ -159,9 +159,9 @@ def eager_steps(longest: int) -> int:
     kernel compiles a program per axis length (it unrolls up to 16 steps, masking those past an
     item's path_len, and loops beyond), so an eager commit runs a program that the warm-up or a
     graph's capture has compiled already."""
-    from models.graphs import NODE_BUCKETS  # models.graphs imports this module
+    from models.graphs import NODE_BUCKETS, _bucket  # models.graphs imports this module
 
-    return next((b for b in NODE_BUCKETS if b >= longest), 1 << (longest - 1).bit_length())
+    return _bucket(longest, NODE_BUCKETS) or 1 << (longest - 1).bit_length()
 
 
 def run_commit(pool: StatePool, stash: VerifyStash, meta: torch.Tensor, batch: int, steps: int, attn_rows: int,

@@ -198,20 +198,16 @@ class AdaptivePolicy:
             return self.start
         speculative = other_nodes > other_tokens  # does the rest of the batch speculate?
 
-        def step_ms(b: int) -> float:
-            return max(1e-6, cost.step_ms(other_nodes + b, speculative or b > 1))
-
-        def tokens(b: int) -> float:
-            return self.estimate(b, shared) + other_tokens
-
-        scores = {b: tokens(b) / step_ms(b) for b in self.budgets}
+        times = {b: max(1e-6, cost.step_ms(other_nodes + b, speculative or b > 1)) for b in self.budgets}
+        tokens = {b: self.estimate(b, shared) + other_tokens for b in self.budgets}
+        scores = {b: tokens[b] / times[b] for b in self.budgets}
         rank = lambda b: (scores[b], -b)  # the best score; on a tie, the smaller budget
         self.best = max(self.budgets, key=rank)
         every = 2 if self.steps <= self.warmup else self.probe_every
         if every and (self.steps + self.phase) % every == 0 and len(self.budgets) > 1:
             # off: re-check the most promising tree, not just the smallest
             probe = max(self.budgets[1:], key=rank) if self.best == 1 else self._neighbour(self.best)
-            if cost.afford(step_ms(probe) - tokens(probe) / scores[self.best]):
+            if cost.afford(times[probe] - tokens[probe] / scores[self.best]):
                 return probe
         return self.best
 

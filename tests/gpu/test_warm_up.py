@@ -9,7 +9,6 @@ warm-up misses. Skipped without CUDA."""
 from __future__ import annotations
 
 import pathlib
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -17,13 +16,9 @@ import torch
 from kernels.compiled import compiled, forget, jit_functions
 from models import HybridLM
 from tests.gpu.marks import compiled_triton, gpu  # noqa: F401 (fixture)
+from treeserve.tree import TokenTree
 
 DEMO = pathlib.Path(__file__).resolve().parents[2] / "models" / "demo"
-
-
-class Chain(NamedTuple):
-    tokens: tuple
-    parents: tuple
 
 
 @gpu
@@ -53,7 +48,7 @@ def test_nothing_compiles_after_warm_up(model):
     slot = lm.pool.alloc()
     lm.prefill([slot], [tokens(30)])
     for k in (2, 3, 5, 9, 13, 16):
-        res = lm.verify([slot], [Chain(tuple(tokens(k)), tuple(range(-1, k - 1)))])
+        res = lm.verify([slot], [TokenTree.chain(tokens(k))])
         lm.commit([(res.pending[0], list(range(k)))])
     lm.pool.free(slot)
     slots = [lm.pool.alloc() for _ in range(3)]

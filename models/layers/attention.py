@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from kernels import ops
 from kernels.rope import rope_inv_freq
@@ -16,6 +18,12 @@ from models.batch import Packed
 from models.config import AttentionSpec
 from models.layers.linear import Linear
 from models.state import StatePool
+
+# SDPA's first choice for bf16 prompts on Hopper, cuDNN attention, builds a plan for every new
+# (prompt, prefix) shape the first time it meets one: 50-600 ms per prompt length on an H100, where
+# the call itself takes 0.1 ms (BENCHMARKS.md, thirtieth round). Flash and memory-efficient
+# attention are compiled ahead of time; math is what is left (any device, any dtype).
+PREFILL_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
 class Attention(nn.Module):
@@ -62,18 +70,18 @@ class Attention(nn.Module):
         ops.write_tree_kv(k_cache, v_cache, k, v, batch.cu_seqlens, batch.slot_idx, batch.cache_lens)
         outs = []
         start = 0
-        for n, slot, L in zip(batch.sizes, batch.slots, batch.lens):
-            qb = q[start : start + n].transpose(0, 1)[None]  # (1, Hq, n, Dh)
-            start += n
-            kb = k_cache[slot, : L + n].transpose(0, 1)[None]  # (1, Hkv, L+n, Dh)
-            vb = v_cache[slot, : L + n].transpose(0, 1)[None]
-            # query i sits at position L + i and sees keys 0 .. L + i
-            mask = None if L == 0 else torch.ones(n, L + n, dtype=torch.bool, device=h.device).tril(diagonal=L)
-            o = F.scaled_dot_product_attention(
-                qb, kb, vb, attn_mask=mask, is_causal=L == 0, scale=s.softmax_scale,
-                enable_gqa=s.n_heads != s.n_kv_heads,
-            )
-            outs.append(o[0].transpose(0, 1))
+        with sdpa_kernel(list(PREFILL_BACKENDS)):
+            for n, slot, L in zip(batch.sizes, batch.slots, batch.lens):
+                qb = q[start : start + n].transpose(0, 1)[None]  # (1, Hq, n, Dh)
+                start += n
+                kb = k_cache[slot, : L + n].transpose(0, 1)[None]  # (1, Hkv, L+n, Dh)
+                vb = v_cache[slot, : L + n].transpose(0, 1)[None]
+                # query i sits at position L + i and sees keys 0 .. L + i: causal from the last key
+                o = F.scaled_dot_product_attention(
+                    qb, kb, vb, attn_mask=causal_lower_right(n, L + n), scale=s.softmax_scale,
+                    enable_gqa=s.n_heads != s.n_kv_heads,
+                )
+                outs.append(o[0].transpose(0, 1))
         return self._out(torch.cat(outs, 0))
 
     def decode(self, h: torch.Tensor, batch: Packed, pool: StatePool) -> torch.Tensor:

@@ -115,7 +115,7 @@ def kv_commit_ref(k_cache, v_cache, slot_idx, cache_lens, path_nodes, path_len):
 # second kernel merges them (flash-decoding), which keeps the GPU busy when B x Hkv is small.
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "num_splits"])  # sizes that change per call: one compile serves them all
 def _tree_attn_kernel(
     q_ptr, k_ptr, v_ptr, parents_ptr, cu_ptr, slot_ptr, lens_ptr, out_ptr, ws_acc_ptr, ws_ml_ptr,
     qk_scale, T, Hkv, num_splits,
@@ -229,7 +229,7 @@ def _tree_attn_kernel(
         tl.store(ws_ml_ptr + ws_row * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "num_splits"])
 def _merge_splits_kernel(
     ws_acc_ptr, ws_ml_ptr, out_ptr, T, Hq, num_splits,
     stride_ot, stride_oh,

@@ -31,7 +31,7 @@ from models.config import (
     stateful_sublayers,
 )
 from models.errors import CheckpointError, SlotsExhausted
-from models.graphs import NODE_BUCKETS, PREPARED_PATH, GraphRunner
+from models.graphs import PREPARED_PATH, GraphRunner
 from models.layers.attention import Attention
 from models.layers.mamba import MambaMixer
 from models.layers.mlp import MLP, MoE
@@ -294,16 +294,19 @@ class HybridLM(nn.Module):
     # prefill of one or more prompts, a one-sequence decode and a one-sequence commit of up to 16
     # steps can: each kernel with and without an earlier state and at one row and at many (a
     # one-row input's strides differ), each row tile of the KV write (1, 2, 4, 8, 16, 32 rows), the
-    # one-row and few-rows projections (the LM head's too: it reads a row per prompt), and the
-    # commit programs of the path buckets 1, 4, 8 and 16 (`models.verify.eager_steps`). Sizes that
-    # vary per call are not specialised on (`do_not_specialize` in kernels/), so no other length
-    # compiles anything new (tests/gpu/test_warm_up.py checks the Triton programs; cuBLAS and
-    # SDPA pick their kernels by themselves). Not covered: decode and verify of several sequences
-    # (with CUDA graphs, each batch size compiles once, at its capture) and more than 16 prompts
-    # packed in one prefill. With one free slot, the 40 tokens go to that slot alone.
+    # one-row and few-rows projections (the LM head's too: it reads a row per prompt), the verify
+    # programs of 1 to 16 nodes (an eager verify's attention tiles its rows by the power of two at
+    # or above its node count; the graphs' node buckets are among these) and the commit programs of
+    # the path buckets 1, 4, 8 and 16 (`models.verify.eager_steps`). Sizes that vary per call are
+    # not specialised on (`do_not_specialize` in kernels/), so no other length compiles anything
+    # new (tests/gpu/test_warm_up.py checks the Triton programs; a prompt's attention keeps off
+    # cuDNN, see `models.layers.attention.PREFILL_BACKENDS`). Not covered: decode and verify of
+    # several sequences (with CUDA graphs, each batch size compiles once, at its capture), an eager
+    # verify of more than 16 nodes and more than 16 prompts packed in one prefill. With one free
+    # slot, the 40 tokens go to that slot alone.
     WARM_UP_CONTINUATIONS = (1, 2, 4, 8, 16)
     WARM_UP_PROMPT = 40
-    WARM_UP_PATHS = tuple(b for b in NODE_BUCKETS if b <= PREPARED_PATH)  # the commits prepared at start-up
+    WARM_UP_PATHS = tuple(1 << i for i in range(PREPARED_PATH.bit_length()))  # 1, 2, 4, 8, 16
 
     @torch.no_grad()
     def warm_up(self) -> None:

@@ -56,8 +56,10 @@ def gumbel_argmax_ref(logits: torch.Tensor, scale: float, floor: torch.Tensor | 
     return (z + gumbel_noise_ref(key, positions, logits.shape[1]).float()).argmax(-1)
 
 
-# the key varies per call: no specialisation (a key of 1 would become a constant)
-@triton.jit(do_not_specialize=["key"])
+# Not specialised on: the key, which varies per call (a key of 1 would become a constant), and the
+# per-row floors and positions, often views at any offset into a packed buffer (their alignment
+# would pick one program or another per call; they are read once a row).
+@triton.jit(do_not_specialize=["key", "floor_ptr", "pos_ptr"])
 def _gumbel_max_kernel(x_ptr, stride_row, floor_ptr, pos_ptr, best_ptr, at_ptr, scale, key, V, CHUNK,
                        HAS_FLOOR: tl.constexpr, LOG_F64: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row, split): the best (score, index) of the row's columns [split·CHUNK, +CHUNK).

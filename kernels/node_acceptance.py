@@ -122,7 +122,9 @@ def _reject(p_row, q_row, tok, total, left, V, BLOCK: tl.constexpr):
         tl.store(q_row + v, new_q, mask=live)
 
 
-@triton.jit(do_not_specialize=["accept_key"])
+# Not specialised on: the key and M (the widest node of this tree) vary per call; the children and
+# positions are views at any offset into one packed copy (read a few times a node).
+@triton.jit(do_not_specialize=["accept_key", "M", "child_ptr", "pos_ptr"])
 def _accept_nodes_kernel(p_ptr, q_ptr, child_ptr, pos_ptr, out_ptr, accept_key, V, M,
                          BLOCK: tl.constexpr):
     node = tl.program_id(0)

@@ -83,6 +83,7 @@ def start(
     import torch
 
     from models import HybridLM
+    from verifier_service import results
     from verifier_service.servicer import ModelInfo, VerifierServer, eos_ids
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -92,6 +93,7 @@ def start(
         max_len=limits.max_sequence_length, cuda_graphs=GRAPH_MODES[cuda_graphs],
     )
     lm.warm_up()  # no prefill, one-sequence decode or short commit compiles at a request (CUDA only)
+    results.warm_up(lm.config.vocab_size, dev)  # nor does the first sampled request
     if cuda_graphs == "startup" and lm.graphs is not None:
         lm.graphs.capture_all()
     info = ModelInfo(name=pathlib.Path(model).resolve().name, device=str(dev), eos_token_ids=eos_ids(lm))

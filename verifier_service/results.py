@@ -20,7 +20,7 @@ from kernels import ops
 from treeserve import sampling
 from treeserve.acceptance import Outcome, walk
 from treeserve.sampling import Sampling
-from treeserve.tree import TokenTree
+from treeserve.tree import SparseDist, TokenTree
 
 
 @dataclass(frozen=True)
@@ -189,3 +189,23 @@ def compute(logits: torch.Tensor, offsets: list[int], queries: list[NodeQuery]) 
             cursor += 2 * n
             out[b].top_logprobs = [([int(t) for t in ids[i * k : (i + 1) * k]], vals[i * k : (i + 1) * k]) for i in range(hi - lo)]
     return out
+
+
+def warm_up(vocab_size: int, device) -> None:
+    """Run `compute` once for each kind of sampled query, so that on CUDA its kernels compile before
+    the first request instead of at it (about 0.3 s, the first sampled request paid it): a sample
+    with and without a top-k floor, one after top-p, and a multi-draft walk (the acceptance and its
+    residual draw). Their sizes are not specialised on, so no other tree compiles anything new
+    (tests/gpu/test_warm_up.py). Greedy queries launch no kernel of their own. On the CPU the twins
+    run the same calls, in a few milliseconds."""
+    if vocab_size < 3:
+        return
+    logits = torch.randn(7, vocab_size, generator=torch.Generator().manual_seed(0)).to(device)
+    branching = TokenTree((0, 1, 2), (-1, 0, 0), draft=(SparseDist((1, 2), (0.5, 0.5)), None, None))
+    queries = [
+        NodeQuery(TokenTree.chain([0, 1]), 0, Sampling(temperature=1.0, seed=1)),
+        NodeQuery(TokenTree.chain([0]), 0, Sampling(temperature=0.7, top_k=2, seed=2)),
+        NodeQuery(TokenTree.chain([0]), 0, Sampling(temperature=1.0, top_p=0.9, seed=3), top_logprobs=2),
+        NodeQuery(branching, 0, Sampling(temperature=1.0, seed=4)),
+    ]
+    compute(logits, [0, 2, 3, 4, 7], queries)

@@ -102,3 +102,17 @@ def test_a_mixed_batch_gives_each_query_its_own_results(top_logprobs, kernels, m
             assert torch.allclose(torch.tensor([v for _, v in got[b].top_logprobs]), top.values)
         else:
             assert got[b].top_logprobs == []
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_the_warm_up_runs_every_sampled_kind(kernels, monkeypatch):
+    """`warm_up` (what the verifier runs before serving, so that on CUDA the sampling kernels compile
+    then) launches the Gumbel-max sample with and without a floor and the multi-draft acceptance."""
+    monkeypatch.setenv("TREESERVE_KERNELS", kernels)
+    launched = []
+    for name in ("gumbel_argmax", "accept_nodes"):
+        real = getattr(results.ops, name)
+        monkeypatch.setattr(results.ops, name, lambda *a, _real=real, _name=name, **k: launched.append(
+            (_name, a[2] is not None if _name == "gumbel_argmax" else None)) or _real(*a, **k))
+    results.warm_up(VOCAB, "cpu")
+    assert sorted(set(launched)) == [("accept_nodes", None), ("gumbel_argmax", False), ("gumbel_argmax", True)]

@@ -375,15 +375,11 @@ def load_inproc(target, drafter, device: str, dtype, max_len: int, depth: int, t
     from drafter_service.draftlm import DraftModel
     from drafter_service.engine import Drafter, Options
     from models import HybridLM
-    from verifier_service.engine import Engine
-    from verifier_service import results
+    from verifier_service.engine import Engine, prepare
     from verifier_service.limits import Limits
 
     lm = HybridLM.from_pretrained(target, device=device, dtype=dtype, max_slots=2, max_len=max_len)
-    lm.warm_up()  # as the verifier's start does
-    results.warm_up(lm.config.vocab_size, lm.device)
-    if lm.graphs is not None:
-        lm.graphs.capture_all()
+    prepare(lm, capture_graphs=True)  # as the verifier's start does with --cuda-graphs startup
     verifier = Engine(lm, Limits(max_sequences=2, max_tree_nodes=TREE_CAP, max_sequence_length=max_len).validate())
     model = DraftModel.load(str(drafter), device=device, dtype=dtype, max_slots=2, max_len=max_len, trim=trim,
                             cuda_graphs=cuda_graphs)

@@ -57,8 +57,9 @@ def gumbel_argmax_ref(logits: torch.Tensor, scale: float, floor: torch.Tensor | 
 
 
 # Not specialised on: the key, which varies per call (a key of 1 would become a constant), and the
-# per-row floors and positions, often views at any offset into a packed buffer (their alignment
-# would pick one program or another per call; they are read once a row).
+# per-row positions and floors, read once a row: positions are often views at any offset into a
+# packed buffer, whose alignment would pick one program or another per call (a missing floor
+# passes the positions in its place). The logits are specialised: they are the hot read.
 @triton.jit(do_not_specialize=["key", "floor_ptr", "pos_ptr"])
 def _gumbel_max_kernel(x_ptr, stride_row, floor_ptr, pos_ptr, best_ptr, at_ptr, scale, key, V, CHUNK,
                        HAS_FLOOR: tl.constexpr, LOG_F64: tl.constexpr, BLOCK: tl.constexpr):

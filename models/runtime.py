@@ -31,7 +31,7 @@ from models.config import (
     stateful_sublayers,
 )
 from models.errors import CheckpointError, SlotsExhausted
-from models.graphs import PREPARED_PATH, GraphRunner
+from models.graphs import GraphRunner
 from models.layers.attention import Attention
 from models.layers.mamba import MambaMixer
 from models.layers.mlp import MLP, MoE
@@ -295,9 +295,9 @@ class HybridLM(nn.Module):
     # steps can: each kernel with and without an earlier state and at one row and at many (a
     # one-row input's strides differ), each row tile of the KV write (1, 2, 4, 8, 16, 32 rows), the
     # one-row and few-rows projections (the LM head's too: it reads a row per prompt), the verify
-    # programs of 1 to 16 nodes (an eager verify's attention tiles its rows by the power of two at
-    # or above its node count; the graphs' node buckets are among these) and the commit programs of
-    # the path buckets 1, 4, 8 and 16 (`models.verify.eager_steps`). Sizes that vary per call are
+    # programs of 1 to 16 nodes (a verify's KV write, which also fills the stash, tiles its rows by
+    # the power of two at or above the node count, up to 32; the graphs' node buckets are among
+    # these) and the commit programs of the path buckets 1, 4, 8 and 16 (`models.verify.eager_steps`). Sizes that vary per call are
     # not specialised on (`do_not_specialize` in kernels/), so no other length compiles anything
     # new (tests/gpu/test_warm_up.py checks the Triton programs; a prompt's attention keeps off
     # cuDNN, see `models.layers.attention.PREFILL_BACKENDS`). Not covered: decode and verify of
@@ -306,12 +306,12 @@ class HybridLM(nn.Module):
     # slot, the 40 tokens go to that slot alone.
     WARM_UP_CONTINUATIONS = (1, 2, 4, 8, 16)
     WARM_UP_PROMPT = 40
-    WARM_UP_PATHS = tuple(1 << i for i in range(PREPARED_PATH.bit_length()))  # 1, 2, 4, 8, 16
+    WARM_UP_PATHS = (1, 2, 4, 8, 16)  # every KV-write row tile of a verify, up to graphs.PREPARED_PATH steps
 
     @torch.no_grad()
     def warm_up(self) -> None:
         """On CUDA, compile before the first request what a prefill of any length, a one-sequence
-        decode and its commits launch (see WARM_UP_PATHS), on slots taken and given back here: a
+        decode, verify and commit launch (see WARM_UP_PATHS), on slots taken and given back here: a
         prompt or a drafter's catch-up of a length not seen before otherwise paid a compile of up
         to a few seconds (BENCHMARKS.md, twenty-ninth round). Run it before the model serves: it
         takes no lock. Nothing to do off CUDA (the reference twins run there)."""

@@ -83,7 +83,7 @@ def start(
     import torch
 
     from models import HybridLM
-    from verifier_service import results
+    from verifier_service.engine import prepare
     from verifier_service.servicer import ModelInfo, VerifierServer, eos_ids
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -92,10 +92,7 @@ def start(
         model, device=dev, dtype=getattr(torch, DTYPES[dtype]), max_slots=limits.max_sequences,
         max_len=limits.max_sequence_length, cuda_graphs=GRAPH_MODES[cuda_graphs],
     )
-    lm.warm_up()  # no prefill, one-sequence decode or short commit compiles at a request (CUDA only)
-    results.warm_up(lm.config.vocab_size, dev)  # nor does the first sampled request
-    if cuda_graphs == "startup" and lm.graphs is not None:
-        lm.graphs.capture_all()
+    prepare(lm, capture_graphs=cuda_graphs == "startup")  # nothing compiles at a request
     info = ModelInfo(name=pathlib.Path(model).resolve().name, device=str(dev), eos_token_ids=eos_ids(lm))
     server = VerifierServer(lm, limits, address, info, auth_token=auth_token, grace_s=grace_s,
                             direct_address=direct_address, direct_poll_s=direct_poll_s)

@@ -55,6 +55,16 @@ class BatchReport:
     commits: int = 0  # piggy-backed commits applied before it
 
 
+def prepare(lm, *, capture_graphs: bool) -> None:
+    """Before a verifier serves: compile on CUDA what its requests launch (the model's kernels,
+    `HybridLM.warm_up`, and the sampling kernels, `results.warm_up`) and, with `capture_graphs`,
+    capture every CUDA graph bucket now instead of at each bucket's first use."""
+    lm.warm_up()
+    results.warm_up(lm.config.vocab_size, lm.device)
+    if capture_graphs and lm.graphs is not None:
+        lm.graphs.capture_all()
+
+
 def runtime_error(exc: BaseException) -> BaseException:
     """The runtime's errors carry no gRPC code: give them the one the contract names."""
     if isinstance(exc, SlotsExhausted):

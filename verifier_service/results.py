@@ -196,16 +196,22 @@ def warm_up(vocab_size: int, device) -> None:
     the first request instead of at it (about 0.3 s, the first sampled request paid it): a sample
     with and without a top-k floor, one after top-p, and a multi-draft walk (the acceptance and its
     residual draw). Their sizes are not specialised on, so no other tree compiles anything new
-    (tests/gpu/test_warm_up.py). Greedy queries launch no kernel of their own. On the CPU the twins
-    run the same calls, in a few milliseconds."""
+    (tests/gpu/test_warm_up.py). A plain sample reads the logits in place, at its tree's first row:
+    it runs at row 0 and at row 1, since with a vocabulary that is not a multiple of 4 the row's
+    alignment picks one program or another. Greedy queries launch no kernel of their own. On the
+    CPU the twins run the same calls, in a few milliseconds."""
     if vocab_size < 3:
         return
-    logits = torch.randn(7, vocab_size, generator=torch.Generator().manual_seed(0)).to(device)
     branching = TokenTree((0, 1, 2), (-1, 0, 0), draft=(SparseDist((1, 2), (0.5, 0.5)), None, None))
     queries = [
-        NodeQuery(TokenTree.chain([0, 1]), 0, Sampling(temperature=1.0, seed=1)),
+        NodeQuery(TokenTree.chain([0]), 0, Sampling(temperature=1.0, seed=1)),  # row 0
+        NodeQuery(TokenTree.chain([0, 1]), 0, Sampling(temperature=1.0, seed=1)),  # from row 1
         NodeQuery(TokenTree.chain([0]), 0, Sampling(temperature=0.7, top_k=2, seed=2)),
         NodeQuery(TokenTree.chain([0]), 0, Sampling(temperature=1.0, top_p=0.9, seed=3), top_logprobs=2),
         NodeQuery(branching, 0, Sampling(temperature=1.0, seed=4)),
     ]
-    compute(logits, [0, 2, 3, 4, 7], queries)
+    offsets = [0]
+    for q in queries:
+        offsets.append(offsets[-1] + q.tree.size)
+    logits = torch.randn(offsets[-1], vocab_size, generator=torch.Generator().manual_seed(0)).to(device)
+    compute(logits, offsets, queries)

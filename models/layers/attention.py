@@ -20,9 +20,15 @@ from models.layers.linear import Linear
 from models.state import StatePool
 
 # SDPA's first choice for bf16 prompts on Hopper, cuDNN attention, builds a plan for every new
-# (prompt, prefix) shape the first time it meets one: 50-600 ms per prompt length on an H100, where
-# the call itself takes 0.1 ms (BENCHMARKS.md, thirtieth round). Flash and memory-efficient
-# attention are compiled ahead of time; math is what is left (any device, any dtype).
+# (prompt, prefix) shape the first time it meets one: 46-588 ms per shape on an H100, where the call
+# itself takes 0.1 ms (BENCHMARKS.md, thirtieth round). Flash and memory-efficient attention are
+# compiled ahead of time; math is what is left (any device, any dtype). A lower-right causal mask
+# (a prompt after a prefix) picks flash or memory-efficient attention by itself and falls back to
+# SDPA with a materialised mask; `sdpa_kernel` keeps that fallback and the prefix-free prompts
+# (plain causal SDPA) off cuDNN too. It sets process-wide flags, restored on exit: two threads
+# prefilling at once could leave one running unrestricted for a moment, or the restriction in place
+# after both. Each service makes its model calls one at a time, so this takes two models
+# prefilling in separate threads of one process, and costs speed only.
 PREFILL_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 

@@ -169,6 +169,26 @@ def test_bf16_within_transformers_own_bf16_error(arch, tmp_path_factory):
     print(f"{arch}: worst error / bound = {worst:.2f}")
 
 
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "mamba2"])  # the ones with attention
+def test_bf16_prefill_after_a_prefix_within_transformers_own_bf16_error(arch, tmp_path_factory):
+    """Prompts continued after a prefix: the attention's causal mask is aligned to the last key, and
+    in bf16 flash attention runs it (`models.layers.attention.PREFILL_BACKENDS`)."""
+    path, m32, m16 = models(arch, tmp_path_factory)
+    lm = HybridLM.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_slots=1, max_len=128)
+    rng = random.Random(2)
+    seq = random_prompt(rng, 30, VOCAB)
+    slot = lm.pool.alloc()
+    lm.prefill([slot], [seq])
+    for n in (1, 17, 40):
+        more = random_prompt(rng, n, VOCAB)
+        logits = lm.prefill([slot], [more])[0]
+        seq = seq + more
+        r32 = ref_logits(m32, seq)[-1]
+        ours = (logits - r32).abs().max().item()
+        theirs = (ref_logits(m16, seq)[-1] - r32).abs().max().item()
+        assert ours <= 3 * theirs + 0.01 * r32.abs().max().item(), f"+{n}: ours {ours:.3g}, transformers bf16 {theirs:.3g}"
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_speculation_equals_generate_fp32(arch, tmp_path_factory):
     path, m32, _ = models(arch, tmp_path_factory)

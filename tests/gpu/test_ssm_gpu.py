@@ -205,17 +205,22 @@ def test_commit(shape):
 @gpu
 @pytest.mark.parametrize("shape", SHAPES)
 def test_commit_of_long_paths(shape):
-    """Paths past the unrolled steps (the kernel's loop), one slot of length 0 untouched, and the loop
-    equal to the unrolled program at a short path to the bit."""
+    """Paths past the unrolled steps (the kernel's loop); a path of length 0 and the slots no path
+    names left as they were, to the bit; and the loop equal to the unrolled program at a short path,
+    to the bit."""
     lens = [64, 17, 40, 1, 0, 33]
     args = on(commit_case(lens, 64, *SHAPES[shape], seed=15, dtype=torch.bfloat16, slots=8), DEV)
     pool0 = args["ssm_state"].clone()
     expected = oracle_commit(args)
     slots = args["slot_idx"].long()
+    keep = untouched_slots(pool0, slots)
+    empty = slots[lens.index(0)]
     for fn, name in ((ssm_state_commit, "triton"), (ssm_state_commit_ref, "reference")):
         args["ssm_state"] = pool0.clone()
         fn(**args)
         assert_close(args["ssm_state"][slots], expected, FP32_TOL * 10, f"{name} vs oracle")
+        assert torch.equal(args["ssm_state"][keep], pool0[keep]), f"{name} touched other slots"
+        assert torch.equal(args["ssm_state"][empty], pool0[empty]), f"{name} changed the empty path's slot"
     short = on(commit_case([5, 2], 8, *SHAPES[shape], seed=16, dtype=torch.bfloat16, slots=3), DEV)
     start = short["ssm_state"].clone()
     unrolled, looped = start.clone(), start.clone()

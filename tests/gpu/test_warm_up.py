@@ -64,7 +64,7 @@ def test_nothing_compiles_after_warm_up(model):
 
 @gpu
 def test_a_prompts_attention_keeps_off_cudnn():
-    """SDPA's cuDNN attention builds a plan at every new prompt shape (50-600 ms each on an H100);
+    """SDPA's cuDNN attention builds a plan at every new prompt shape (46-588 ms each on an H100);
     a bf16 prefill's attention, at a fresh prompt and after a prefix, launches none of its kernels."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -82,7 +82,8 @@ def test_a_prompts_attention_keeps_off_cudnn():
 
 
 @gpu
-@pytest.mark.parametrize("vocab", [4096, 50304])  # the demo's vocabulary; one split over many programs
+# the demo's vocabulary; one split over many programs; rows at any alignment (random offsets)
+@pytest.mark.parametrize("vocab", [4096, 50304, 4099])
 def test_no_sampled_request_compiles_after_the_warm_up(vocab):
     """After `results.warm_up`, sampled queries of other sizes, widths, truncations and positions,
     packed several to a batch, compile no Triton program."""

@@ -27,6 +27,17 @@ def test_exhaustion_and_reuse(saved):
     lm.commit([])
 
 
+def test_the_warm_up_verifies_every_row_tile_up_to_the_prepared_paths():
+    """The warm-up's chains reach the longest path whose commit is prepared at start-up and meet
+    every row tile a verify's KV write takes on the way (the power of two at or above the node
+    count): an eager verify of any size up to there then runs a program the warm-up compiled."""
+    from models.graphs import PREPARED_PATH
+
+    assert max(HybridLM.WARM_UP_PATHS) == PREPARED_PATH
+    tiles = {min(32, 1 << (n - 1).bit_length()) for n in range(1, PREPARED_PATH + 1)}
+    assert tiles == set(HybridLM.WARM_UP_PATHS)
+
+
 @pytest.mark.parametrize("arch,free", [("nemotron_h", 0), ("nemotron_h", 1), *((a, 3) for a in ARCHS)])
 def test_the_warm_up_gives_back_every_slot_it_takes(saved, arch, free):
     """`warm_up`'s calls (on CUDA they compile; here the reference twins run them) work for every

@@ -165,10 +165,7 @@ def summarise(method: Method, temperature: float, traces: list[Trace]) -> dict:
     steps = len(emitted)
     trees = sum(t.trees for t in traces)
     return {
-        "method": method.name, "path": method.path, "temperature": temperature,
-        "shape": method.shape or ("plain" if method.path != "hf" else "transformers"),
-        "budget": method.budget, "depth": method.depth, "draft_ahead": method.draft_ahead,
-        "adaptive": method.adaptive, "steps_without_draft": sum(n == 1 for n in nodes),
+        **_row_head(method, temperature), "steps_without_draft": sum(n == 1 for n in nodes),
         "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
         "target_forwards": steps + len(traces),  # the prefills included
         "steps": steps, "tau": sum(emitted) / steps if steps else 0.0,
@@ -184,9 +181,17 @@ def summarise(method: Method, temperature: float, traces: list[Trace]) -> dict:
 
 
 def failed_row(method: Method, temperature: float, error: str) -> dict:
-    return {"method": method.name, "path": method.path, "temperature": temperature, "shape": method.shape,
-            "budget": method.budget, "depth": method.depth, "draft_ahead": method.draft_ahead,
-            "adaptive": method.adaptive, "error": error}
+    return {**_row_head(method, temperature), "error": error}
+
+
+def _row_head(method: Method, temperature: float) -> dict:
+    """What every row says about its method, measured or failed."""
+    return {
+        "method": method.name, "path": method.path, "temperature": temperature,
+        "shape": method.shape or ("plain" if method.path != "hf" else "transformers"),
+        "budget": method.budget, "depth": method.depth, "draft_ahead": method.draft_ahead,
+        "adaptive": method.adaptive,
+    }
 
 
 def _find(rows: list[dict], path: str, temperature: float, shape: str) -> Optional[dict]:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from drafter_service.nodes import NodeSet
-from drafter_service.proposer import Draft
+from drafter_service.proposer import Draft, reachable_depth
 from drafter_service.state import DraftState
 
 
@@ -11,7 +11,7 @@ class ChainProposer:
     uses_model = True
 
     def propose(self, state: DraftState, root: int, budget: int, depth: int) -> Draft:
-        length = min(depth, budget - 1)
+        length = reachable_depth(budget, depth)
         ns, last = NodeSet(root), 0
         for _ in range(length):
             tree, local = ns.tree(range(len(ns)))

@@ -32,7 +32,7 @@ import torch
 from drafter_service import growth as growth_mod
 from drafter_service.children import ChildPicker
 from drafter_service.head import DraftHead
-from drafter_service.proposer import Draft
+from drafter_service.proposer import Draft, reachable_depth
 from drafter_service.vocab import TrimmedVocab
 from kernels.tree_growth import Shape as GrowthShape
 from models.graphs import CAPTURE_LOCK
@@ -220,7 +220,7 @@ class DraftModel:
         CUDA graphs, its shape has graphs already or there is room for them (`MAX_GROWTHS`)."""
         if budget < 2 or depth < 1 or self._node_bucket(budget) is None:
             return False
-        depth = min(depth, budget - 1)
+        depth = reachable_depth(budget, depth)
         if GrowthShape(budget, depth, budget).capacity > growth_mod.MAX_CANDIDATES:
             return False
         key = _growth_key(budget, depth, picker)
@@ -251,7 +251,7 @@ class DraftModel:
                 # one capture at a time under the locks (not `_call`: start-up work is not drafting time)
                 with self.exclusive():
                     if self.can_grow(budget, depth, picker):
-                        self._growth(budget, min(depth, budget - 1), picker)  # built unless held already
+                        self._growth(budget, reachable_depth(budget, depth), picker)  # built unless held already
         return len(self._growths) - held
 
     def grow(self, slot: int, root: int, budget: int, depth: int, picker: ChildPicker,
@@ -261,7 +261,7 @@ class DraftModel:
         `can_grow` takes. `still_wanted()` runs before each level and may raise to stop the run."""
         from models.verify import Pending, VerifyStash
 
-        depth = min(depth, budget - 1)  # no path of a B-node tree is longer
+        depth = reachable_depth(budget, depth)
         with self._call():
             length = self.lm.pool.length(slot)
             self.lm.pool.check_room(slot, budget, "draft tree")

@@ -37,6 +37,12 @@ class Proposer(Protocol):
         ...
 
 
+def reachable_depth(budget: int, depth: int) -> int:
+    """The deepest a tree of at most `budget` nodes can reach under the depth limit `depth`: a
+    path of `budget` nodes has `budget - 1` edges."""
+    return min(depth, budget - 1)
+
+
 def draft_tree(proposer: Proposer, state: "DraftState", root: int, budget: int, depth: int) -> Draft:
     """`proposer.propose` with the budget and depth cut to what the draft model's maximum length
     leaves room for (a verified tree's nodes sit after the committed tokens). Fresh drafting and

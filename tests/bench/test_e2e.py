@@ -111,6 +111,15 @@ def summary(name, path, shape, outputs, emitted, seconds, temperature=0.0):
     return e2e.summarise(m, temperature, traces)
 
 
+@pytest.mark.parametrize("path,shape", [("inproc", None), ("grpc", "dynamic"), ("hf", None)])
+def test_a_failed_row_names_its_method_as_a_measured_row_does(path, shape):
+    m = Method("m", path, shape, 8 if shape else 1, 4 if shape else 0)
+    done = e2e.summarise(m, 1.0, [Trace([1, 2], 1.0, emitted=[1], nodes=[1], trees=0)])
+    failed = e2e.failed_row(m, 1.0, "boom")
+    assert failed == {**{k: done[k] for k in failed if k != "error"}, "error": "boom"}
+    assert failed["shape"] == {"inproc": "plain", "grpc": "dynamic", "hf": "transformers"}[path]
+
+
 def test_comparisons_use_the_same_path_and_flag_a_greedy_mismatch():
     rows = [
         summary("plain", "inproc", None, [[1, 2, 3, 4]], [[1, 1, 1]], 2.0),

@@ -297,13 +297,14 @@ class HybridLM(nn.Module):
     # one-row and few-rows projections (the LM head's too: it reads a row per prompt), the verify
     # programs of 1 to 16 nodes (a verify's KV write, which also fills the stash, tiles its rows by
     # the power of two at or above the node count, up to 32; the graphs' node buckets are among
-    # these) and the commit programs of the path buckets 1, 4, 8 and 16 (`models.verify.eager_steps`). Sizes that vary per call are
-    # not specialised on (`do_not_specialize` in kernels/), so no other length compiles anything
-    # new (tests/gpu/test_warm_up.py checks the Triton programs; a prompt's attention keeps off
-    # cuDNN, see `models.layers.attention.PREFILL_BACKENDS`). Not covered: decode and verify of
-    # several sequences (with CUDA graphs, each batch size compiles once, at its capture), an eager
-    # verify of more than 16 nodes and more than 16 prompts packed in one prefill. With one free
-    # slot, the 40 tokens go to that slot alone.
+    # these) and the commit programs of the path buckets 1, 4, 8 and 16
+    # (`models.verify.eager_steps`). Sizes that vary per call are not specialised on
+    # (`do_not_specialize` in kernels/), so no other length compiles anything new
+    # (tests/gpu/test_warm_up.py checks the Triton programs; a prompt's attention keeps off cuDNN,
+    # see `models.layers.attention.PREFILL_BACKENDS`). Not covered: decode and verify of several
+    # sequences (with CUDA graphs, each batch size compiles once, at its capture), an eager verify
+    # of more than 16 nodes and more than 16 prompts packed in one prefill. With one free slot, the
+    # 40 tokens go to that slot alone.
     WARM_UP_CONTINUATIONS = (1, 2, 4, 8, 16)
     WARM_UP_PROMPT = 40
     WARM_UP_PATHS = (1, 2, 4, 8, 16)  # every KV-write row tile of a verify, up to graphs.PREPARED_PATH steps

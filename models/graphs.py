@@ -19,6 +19,11 @@ Commits of handles that still alias that stash are graphs too, per (batch bucket
 bucket): one host-to-device copy of the layout `models.verify.commit_meta` builds and one replay,
 where an eager commit costs about ten launches of host time (0.4-0.8 ms at the 2.7B shape, where the
 device needs 0.15). Padded items are no-ops on the scratch slot.
+
+Short prompts run as chains (`prefill_chain`): a prompt is a tree with one branch, so a verify of it
+followed by the commit of its whole path is its prefill, in two replays. These chain graphs have a
+stash of their own (one tree of the largest node bucket) and commit graphs over it, so a prompt
+never overwrites the rows that pending verify handles still need.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ from typing import Sequence
 import torch
 
 from models.batch import Packed
-from models.verify import VerifyStash, commit_meta, run_commit
+from models.verify import Pending, VerifyStash, commit_meta, run_commit
 
 # Held while a graph is captured. Work another thread of this process launches on the device during a
 # capture breaks it (PyTorch's default stream synchronises with the capturing one), and a broken
@@ -65,6 +70,12 @@ NODE_BUCKETS = (1, 4, 8, 16, 32, 64, 128)
 # unrolls its path (kernels/ssm_commit.UNROLLED_STEPS); unrolled, its compile grew to 6 s at 32
 # steps and 33 s at 64 on an H100 (BENCHMARKS.md, twenty-ninth round).
 PREPARED_PATH = 16
+# Prompts of up to this many tokens in all prefill as chains of at most the largest node bucket, a
+# verify replay and a commit replay each, instead of an eager prefill, which launches about ten
+# kernels a layer and waits on the host: a 90-token prompt of the 2.7B shape took 42 ms there for 4
+# ms of device work, and a 128-node verify takes 5 (BENCHMARKS.md, thirty-first round). Past a few
+# chains the eager prefill's device work catches up with its host time, and it wins.
+CHAIN_PREFILL_TOKENS = 512
 
 
 def tree_buckets(pool, node_buckets=NODE_BUCKETS) -> tuple[int, ...]:
@@ -127,7 +138,8 @@ class GraphRunner:
     If a capture fails the runner records why in `failures` and that step runs eagerly.
     """
 
-    def __init__(self, lm, node_buckets=NODE_BUCKETS, capture: bool = True, max_rows: int = 1024):
+    def __init__(self, lm, node_buckets=NODE_BUCKETS, capture: bool = True, max_rows: int = 1024,
+                 chain_tokens: int = CHAIN_PREFILL_TOKENS):
         self.lm = lm
         self.capture = capture
         self.max_rows = max_rows
@@ -142,6 +154,11 @@ class GraphRunner:
         rows = min(max_rows, max(self.batch_buckets) * max(self.node_buckets))
         self.stash = VerifyStash(pool, rows, lm.dtype)
         self._handed_out = None  # weakref to the last stash view given to pending handles
+        # prompts as chains (`prefill_chain`): graphs per node bucket, commits per path bucket
+        self.chain_tokens = chain_tokens if self.node_buckets else 0
+        self.chain_stash = VerifyStash(pool, max(self.node_buckets), lm.dtype) if self.chain_tokens else None
+        self._chain: dict[int, _Graph] = {}
+        self._chain_commit: dict[tuple[int, int], _Graph] = {}
 
     # ---- which steps fit ------------------------------------------------------------------------
     def can_decode(self, batch: int) -> bool:
@@ -154,6 +171,16 @@ class GraphRunner:
         if Bb is None or Nb is None or Bb * Nb > self.stash.rows:
             return False
         return self._verify.get((Bb, Nb), True) is not None
+
+    def takes_prefill(self, sizes: list[int]) -> bool:
+        """Whether prompts of these lengths prefill as chains (`prefill_chain`): at most
+        `chain_tokens` tokens in all and a graph for every chain they split into (one not tried yet
+        is captured now, so that no prompt is left half done by a failed capture)."""
+        if not sizes or sum(sizes) > self.chain_tokens:
+            return False
+        top = max(self.node_buckets)
+        chains = {_bucket(min(top, n - start), self.node_buckets) for n in sizes for start in range(0, n, top)}
+        return all(self._chain_graph(Nb) is not None for Nb in sorted(chains))
 
     # ---- steps --------------------------------------------------------------------------------
     def decode(self, slots: list[int], lens: list[int], tokens: list[int]) -> torch.Tensor | None:
@@ -195,19 +222,43 @@ class GraphRunner:
         self._handed_out = weakref.ref(view)
         return real, view, [b * Nb for b in range(B)]
 
+    def prefill_chain(self, slot: int, tokens: list[int]) -> torch.Tensor:
+        """Consume `tokens` after the slot's committed ones as chains of at most the largest node
+        bucket, each verified by one replay over the chain stash and committed at once -> (1, V)
+        fp32 logits at the last token. Only for lengths `takes_prefill` took; the caller has
+        checked the slot's room."""
+        pool, top = self.lm.pool, max(self.node_buckets)
+        logits = None
+        for start in range(0, len(tokens), top):
+            chain = tokens[start : start + top]
+            n, L = len(chain), pool.length(slot)
+            Nb = _bucket(n, self.node_buckets)
+            g = self._chain[Nb]
+            parents = [-1, *range(n - 1)]
+            g.meta.copy_(_tree_meta([chain], [parents], [slot], [L], Nb), non_blocking=True)
+            g.replay()
+            if start + n == len(tokens):
+                logits = self.lm.logits(g.hidden[n - 1 : n])
+            pending = Pending(slot, pool.version(slot), L, tuple(parents), self.chain_stash, 0)
+            self.lm.commit([(pending, list(range(n)))])
+        return logits
+
     def commit(self, items, paths: list[list[int]]) -> bool:
         """Apply a checked commit (`models.verify.check_commit`: items and their paths) as one graph
         replay; the caller then marks the handles consumed. False, with nothing done, when it does
-        not fit a graph: a handle whose stash no longer aliases the shared one, sizes past the
-        buckets, a failed capture. The caller then commits eagerly."""
-        shared = self.stash.tensors()
-        if not all(getattr(p.stash, name, None) is t for p, _ in items for name, t in shared.items()):
+        not fit a graph: a handle whose stash no longer aliases the shared one (or the chain
+        stash), sizes past the buckets, a failed capture. The caller then commits eagerly."""
+        if _all_alias(items, self.stash):
+            stash, graphs, batch_buckets = self.stash, self._commit, self.batch_buckets
+        elif self.chain_stash is not None and _all_alias(items, self.chain_stash):
+            stash, graphs, batch_buckets = self.chain_stash, self._chain_commit, (1,)
+        else:
             return False
-        Bb = _bucket(len(items), self.batch_buckets)
+        Bb = _bucket(len(items), batch_buckets)
         Kb = _bucket(max(len(p) for p in paths), self.node_buckets)
         if Bb is None or Kb is None:
             return False
-        g = self._commit[(Bb, Kb)] if (Bb, Kb) in self._commit else self._capture_commit(Bb, Kb)
+        g = graphs[(Bb, Kb)] if (Bb, Kb) in graphs else self._capture_commit(stash, graphs, Bb, Kb)
         if g is None:
             return False
         g.meta.copy_(commit_meta(items, paths, Bb, Kb, Bb * Kb, self.lm.pool.scratch_slot), non_blocking=True)
@@ -224,6 +275,16 @@ class GraphRunner:
                 if (Bb, Nb) not in self._verify and Bb * Nb <= self.stash.rows:
                     self._capture_verify(Bb, Nb)
         self.capture_commits(self.batch_buckets)
+        self.capture_chains()
+
+    def capture_chains(self) -> None:
+        """Capture the chain graphs of every node bucket and their commits (`prefill_chain`): a first
+        prompt of each length bucket would otherwise pay a capture and, past 16 tokens, compiles."""
+        if not self.chain_tokens:
+            return
+        for Nb in self.node_buckets:
+            if self._chain_graph(Nb) is not None and (1, Nb) not in self._chain_commit:
+                self._capture_commit(self.chain_stash, self._chain_commit, 1, Nb)
 
     def capture_commits(self, batch_buckets: Sequence[int]) -> None:
         """Capture the commits of these batch buckets now, at each path-length bucket up to
@@ -232,7 +293,7 @@ class GraphRunner:
         for Bb in batch_buckets:
             for Kb in self.node_buckets:
                 if Kb <= PREPARED_PATH and (Bb, Kb) not in self._commit and Bb * Kb <= self.stash.rows:
-                    self._capture_commit(Bb, Kb)
+                    self._capture_commit(self.stash, self._commit, Bb, Kb)
 
     # ---- the shared stash, for forwards captured outside this runner ----------------------------
     def release_stash(self) -> None:
@@ -297,15 +358,26 @@ class GraphRunner:
         self._verify[(Bb, Nb)] = g
         return g
 
-    def _capture_commit(self, Bb: int, Kb: int):
+    def _chain_graph(self, Nb: int):
+        """The chain graph of node bucket Nb (captured now if not tried yet; None if it failed).
+        Its forward writes the chain stash only, which no live handle holds: no release here."""
+        if Nb not in self._chain:
+            meta = _tree_meta([[0]], [[-1]], [self.lm.pool.scratch_slot], [0], Nb)
+            self._chain[Nb] = self._try_capture(
+                meta, lambda m: self.lm.hidden("verify", _unpack(m, 1, Nb), self.chain_stash), f"chain {Nb}")
+        return self._chain[Nb]
+
+    def _capture_commit(self, stash: VerifyStash, graphs: dict, Bb: int, Kb: int):
+        """A commit graph over `stash`'s rows, kept in `graphs` (the verify stash's or the chain
+        stash's table)."""
         # the warm-up run commits nothing (every item a no-op on the scratch slot) and only reads
         # the stash, whose live handles are the ones about to commit: no release here
         lm, rows = self.lm, Bb * Kb
         meta = commit_meta([], [], Bb, Kb, rows, lm.pool.scratch_slot)
+        what = f"{'chain ' if stash is self.chain_stash else ''}commit {Bb} x {Kb}"
         g = self._try_capture(
-            meta, lambda m: run_commit(lm.pool, self.stash, m, Bb, Kb, rows, lm.A_all, lm.dt_bias_all, lm.dt_limit),
-            f"commit {Bb} x {Kb}")
-        self._commit[(Bb, Kb)] = g
+            meta, lambda m: run_commit(lm.pool, stash, m, Bb, Kb, rows, lm.A_all, lm.dt_bias_all, lm.dt_limit), what)
+        graphs[(Bb, Kb)] = g
         return g
 
     def _try_capture(self, meta, program, what: str):
@@ -315,6 +387,12 @@ class GraphRunner:
             self.failures.append(f"{what}: {type(e).__name__}: {e}")
             warnings.warn(f"CUDA graph capture failed for {what}, running it eagerly: {e}", RuntimeWarning)
             return None
+
+
+def _all_alias(items, stash: VerifyStash) -> bool:
+    """Whether every item's handle reads its rows from `stash`'s very buffers."""
+    own = stash.tensors()
+    return all(getattr(p.stash, name, None) is t for p, _ in items for name, t in own.items())
 
 
 class _StashView(VerifyStash):

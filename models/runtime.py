@@ -219,10 +219,10 @@ class HybridLM(nn.Module):
         return self.device.type == "cuda" and not any(isinstance(b.mixer, MoE) for b in self.blocks)
 
     def use_graphs(self, capture: bool = True, **options):
-        """From now on run decode and verify through bucketed static buffers: CUDA-graph replays
-        (`capture=True`, CUDA only), or the same programs run eagerly (`capture=False`, how CPU tests
-        exercise this path). `options` go to `models.graphs.GraphRunner` (node_buckets, max_rows).
-        Returns the runner."""
+        """From now on run decode, verify and short prompts through bucketed static buffers: CUDA-graph
+        replays (`capture=True`, CUDA only), or the same programs run eagerly (`capture=False`, how
+        CPU tests exercise this path). `options` go to `models.graphs.GraphRunner` (node_buckets,
+        max_rows, chain_tokens). Returns the runner."""
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the model is on {self.device}")
         self.graphs = GraphRunner(self, capture=capture, **options)
@@ -314,11 +314,15 @@ class HybridLM(nn.Module):
         """On CUDA, compile before the first request what a prefill of any length, a one-sequence
         decode, verify and commit launch (see WARM_UP_PATHS), on slots taken and given back here: a
         prompt or a drafter's catch-up of a length not seen before otherwise paid a compile of up
-        to a few seconds (BENCHMARKS.md, twenty-ninth round). Run it before the model serves: it
+        to a few seconds (BENCHMARKS.md, twenty-ninth round). With graphs, also capture the chains
+        short prompts run as (`GraphRunner.capture_chains`: their first capture compiles the
+        verify and commit programs of more than 16 nodes). Run it before the model serves: it
         takes no lock. Nothing to do off CUDA (the reference twins run there)."""
         if self.device.type != "cuda":
             return
         self.warm_up_calls()
+        if self.graphs is not None:
+            self.graphs.capture_chains()
         torch.cuda.synchronize(self.device)
 
     @torch.no_grad()
@@ -341,10 +345,11 @@ class HybridLM(nn.Module):
                 return torch.randint(0, self.config.vocab_size, (n,), generator=gen).tolist()
 
             a = slots[0]
-            self.prefill([a], [tokens(1)])
-            self.prefill(slots, [tokens(self.WARM_UP_PROMPT) for _ in slots])
+            # the eager prefill, whatever short prompts run as: longer ones still take it
+            self.prefill_packed([a], [tokens(1)])
+            self.prefill_packed(slots, [tokens(self.WARM_UP_PROMPT) for _ in slots])
             for n in self.WARM_UP_CONTINUATIONS:
-                self.prefill([a], [tokens(n)])
+                self.prefill_packed([a], [tokens(n)])
             self.decode([a], [0])
             for k in self.WARM_UP_PATHS:
                 res = self.verify([a], [TokenTree.chain(tokens(k))])
@@ -356,7 +361,8 @@ class HybridLM(nn.Module):
     @torch.no_grad()
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Consume every prompt token (after whatever each slot already holds) -> (B, V) fp32 logits
-        at each prompt's last position."""
+        at each prompt's last position. With graphs, short prompts run as chains through them
+        (`GraphRunner.prefill_chain`); the rest in one eager forward over all prompts packed."""
         slots = self._check(slots, len(prompts), "prefill")
         if not slots:
             return self._empty_logits()
@@ -366,6 +372,14 @@ class HybridLM(nn.Module):
                 raise ValueError(f"prefill: empty prompt for slot {s}")
             self._check_tokens(p, "prefill")
             self.pool.check_room(s, len(p), "prefill")
+        if self.graphs is not None and self.graphs.takes_prefill([len(p) for p in prompts]):
+            return torch.cat([self.graphs.prefill_chain(s, p) for s, p in zip(slots, prompts)])
+        return self.prefill_packed(slots, prompts)
+
+    @torch.no_grad()
+    def prefill_packed(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """`prefill` as one eager forward over all prompts packed, whatever their lengths (no
+        checks: `prefill` makes them)."""
         lens = [self.pool.length(s) for s in slots]
         batch = packing.pack_prompts(slots, lens, prompts, self.device)
         h = self.hidden("prefill", batch)

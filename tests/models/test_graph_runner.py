@@ -80,6 +80,60 @@ def test_shared_stash_survives_a_second_verify(saved):
         assert (out[b] - ref).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("arch", ["mamba2", "nemotron_h", "bamba", "falcon_h1", "zamba2"])
+def test_short_prompts_prefill_as_chains_like_the_packed_prefill(saved, arch):
+    """With graphs, prompts of up to `chain_tokens` tokens in all run as chains of at most the
+    largest node bucket, each a verify and the commit of its whole path: they give the packed
+    prefill's logits at each prompt's last token and leave its states and lengths, from an empty
+    slot and after a history, alone and several together. Longer ones are prefilled packed."""
+    path, model = saved(arch)
+    plain, bucketed = _pair(path)  # node buckets 1, 4, 8
+    bucketed.graphs.chain_tokens = 24
+    chained, run = [], bucketed.graphs.prefill_chain
+    bucketed.graphs.prefill_chain = lambda slot, tokens: chained.append(len(tokens)) or run(slot, tokens)
+    rng = random.Random(3)
+    for lm in (plain, bucketed):
+        assert [lm.pool.alloc() for _ in range(3)] == [0, 1, 2]
+    seqs = [[], [], []]
+    for slots, lengths in (([0], [13]), ([0, 1], [3, 9]), ([2], [25]), ([1], [1]), ([0, 2], [8, 4])):
+        prompts = [random_prompt(rng, n) for n in lengths]
+        ours, theirs = bucketed.prefill(slots, prompts), plain.prefill(slots, prompts)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        for s, p in zip(slots, prompts):
+            seqs[s] += p
+    assert chained == [13, 3, 9, 1, 8, 4], "the 25-token prompt should have been prefilled packed"
+    assert [bucketed.pool.length(s) for s in range(3)] == [len(q) for q in seqs]
+    for name, t in _state(plain.pool).items():
+        ours = getattr(bucketed.pool, name)
+        for s in range(3):
+            # K/V rows past a slot's length are free rows, where a verify leaves its padding
+            real = (slice(s, s + 1), slice(0, len(seqs[s]))) if name in ("k", "v") else s
+            torch.testing.assert_close(ours[real], t[real], rtol=1e-5, atol=1e-5, msg=f"{name} of slot {s}")
+    out = bucketed.decode([0], [5])
+    assert (out[0] - hf_logits(model, seqs[0] + [5])[-1]).abs().max() < 1e-4
+
+
+def test_a_prompt_whose_chain_graph_fails_is_prefilled_packed(saved, monkeypatch):
+    """A chain graph that cannot be captured leaves the whole prompt to the packed prefill, with
+    nothing committed twice; chains that have a graph still run as chains."""
+    path, _ = saved("bamba")
+    plain, bucketed = _pair(path)
+    runner = bucketed.graphs
+    chained, run = [], runner.prefill_chain
+    runner.prefill_chain = lambda slot, tokens: chained.append(len(tokens)) or run(slot, tokens)
+    try_capture = runner._try_capture
+    monkeypatch.setattr(runner, "_try_capture",
+                        lambda meta, program, what: None if what == "chain 8" else try_capture(meta, program, what))
+    rng = random.Random(4)
+    for lm in (plain, bucketed):
+        lm.pool.alloc()
+    for n in (3, 11, 2):  # 11 tokens are a chain of 8 and one of 3: the 8 has no graph
+        prompt = random_prompt(rng, n)
+        torch.testing.assert_close(bucketed.prefill([0], [prompt]), plain.prefill([0], [prompt]), rtol=1e-5, atol=1e-5)
+    assert bucketed.pool.length(0) == 16
+    assert chained == [3, 2] and runner._chain[8] is None
+
+
 def _state(pool) -> dict:
     return {n: getattr(pool, n).clone() for n in ("ssm", "conv", "k", "v") if getattr(pool, n, None) is not None}
 
@@ -123,12 +177,14 @@ def test_graph_commit_is_the_eager_commit_bit_for_bit(saved, arch):
 
 def test_capture_all_takes_the_short_commits_before_the_first_commit(saved, monkeypatch):
     """After `capture_all`, a commit of any batch and of a path up to `PREPARED_PATH` steps replays
-    a program captured then: none is captured on first use, and none falls back to eager."""
+    a program captured then, and so does a prompt's chain commit of any length: none is captured on
+    first use, and none falls back to eager."""
     path, _ = saved("bamba")
     lm = HybridLM.from_pretrained(path, max_slots=4, max_len=48)
     lm.graphs = GraphRunner(lm, node_buckets=(1, 4, 8, PREPARED_PATH, 2 * PREPARED_PATH), capture=False)
     lm.graphs.capture_all()
     assert set(lm.graphs._commit) == {(b, k) for b in lm.graphs.batch_buckets for k in (1, 4, 8, PREPARED_PATH)}
+    assert set(lm.graphs._chain_commit) == {(1, k) for k in lm.graphs.node_buckets}
 
     def no_capture(*args):
         raise AssertionError(f"commit captured on first use: {args}")
@@ -143,7 +199,7 @@ def test_capture_all_takes_the_short_commits_before_the_first_commit(saved, monk
         trees = [random_tree(rng, rng.randrange(1, 96), size, "chain") for _ in range(count)]
         res = lm.verify(slots[:count], trees)
         lm.commit([(res.pending[i], t.path_to(t.size - 1)) for i, t in enumerate(trees)])
-    assert replayed == [True] * 4
+    assert replayed == [True] * 7  # the three prompts' chain commits, then the four above
 
 
 def test_eager_commit_rounds_its_path_axis_to_the_path_buckets(saved, monkeypatch):

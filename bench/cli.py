@@ -7,7 +7,8 @@ Own subcommands (arguments defined here, help with `treeserve bench NAME --help`
 
 Pass-throughs (everything after the name goes to the module's own parser, so
 `treeserve bench model-runtime --help` shows its options):
-  ssm-kernels, attn-conv-kernels, model-runtime, commit-graphs, verifier-service, drafter, first-use
+  ssm-kernels, attn-conv-kernels, model-runtime, commit-graphs, verifier-service, drafter, first-use,
+  prefill
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ PASS_THROUGH = {
     "drafter": ("bench.drafter", "drafter: draft time per tree vs budget, draft-ahead in a greedy loop"),
     "first-use": ("bench.first_use", "what a prompt, a catch-up and a decode cost at first use and after, and what "
                                      "each compiles"),
+    "prefill": ("bench.prefill", "prefill latency against prompt length: the packed prefill and prompts as chains "
+                                 "through the graphs"),
 }
 
 

@@ -51,7 +51,22 @@ PROMPT = 128
 def build_hf(shape: str, layers: int | None, init_std: float | None = None):
     """transformers model, random bf16 weights on the GPU; `init_std` overrides the config's
     `initializer_range` (transformers' defaults: 0.1 for Mamba2, 0.02 for Bamba)."""
-    from transformers import AutoModelForCausalLM, BambaConfig, Mamba2Config
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(shape, layers)
+    if init_std is not None:
+        cfg.initializer_range = init_std
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def hf_config(shape: str, layers: int | None = None):
+    """The transformers config of a benchmark shape (see the module docstring), `layers` of them."""
+    from transformers import BambaConfig, Mamba2Config
 
     if shape == "mamba2-2.7b":
         cfg = Mamba2Config(
@@ -94,14 +109,7 @@ def build_hf(shape: str, layers: int | None, init_std: float | None = None):
         )
     else:
         raise SystemExit(f"unknown shape {shape}")
-    if init_std is not None:
-        cfg.initializer_range = init_std
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return cfg
 
 
 def median_ms(fn, warmup: int, iters: int) -> float:

@@ -1,0 +1,126 @@
+"""Prefill latency on one GPU, host time included: each prompt length as the packed eager prefill
+and as chains through the CUDA graphs (`GraphRunner.prefill_chain`, what `HybridLM.prefill` takes
+for prompts of up to `models.graphs.CHAIN_PREFILL_TOKENS` tokens), on a checkpoint directory or a
+benchmark shape with random bf16 weights (`bench.model_runtime`'s shapes).
+
+    python -m bench.prefill --shape mamba2-2.7b --out prefill_mamba2.json
+    python -m bench.prefill --model models/demo/target --out prefill_demo.json
+
+Per length: each way's median wall time over fresh slots (the device synchronised before and
+after, as a request sees it), the packed prefill's device time (the profiler's sum of its
+kernels: the rest is host time the device waits through), and the largest difference between the
+two ways' logits. The model is warmed up first (`HybridLM.warm_up`, which captures the chains), so
+no call compiles or captures anything.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+LENGTHS = (1, 3, 17, 64, 90, 128, 129, 266, 512, 1024, 2048)
+
+
+def wall_ms(lm, run, prompt: list[int], repeats: int) -> float:
+    """Median ms of `run(slot, prompt)` on a fresh slot each time."""
+    times = []
+    for _ in range(repeats):
+        slot = lm.pool.alloc()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run(slot, prompt)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+        lm.pool.free(slot)
+    return statistics.median(times)
+
+
+def device_ms(lm, prompt: list[int]) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    slot = lm.pool.alloc()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        lm.prefill_packed([slot], [prompt])
+        torch.cuda.synchronize()
+    lm.pool.free(slot)
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+
+
+@torch.no_grad()
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.prefill", description=__doc__.split("\n\n")[0])
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--model", help="checkpoint directory")
+    where.add_argument("--shape", help="a bench.model_runtime shape (mamba2-2.7b, hybrid-8b, ...), random weights")
+    p.add_argument("--layers", type=int, default=None, help="with --shape: keep the first N layers")
+    p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.prefill: needs a CUDA device", file=sys.stderr)
+        return 2
+
+    from models import HybridLM
+    from models.graphs import CHAIN_PREFILL_TOKENS
+
+    max_len = max(args.lengths) + 64
+    if args.model:
+        lm = HybridLM.from_pretrained(args.model, device="cuda", dtype=torch.bfloat16, max_slots=2, max_len=max_len)
+        what = str(pathlib.Path(args.model).resolve())
+    else:
+        from bench.model_runtime import hf_config
+
+        lm = HybridLM.from_config(hf_config(args.shape, args.layers), device="cuda", dtype=torch.bfloat16,
+                                  max_slots=2, max_len=max_len)
+        what = args.shape + (f" ({args.layers} layers)" if args.layers else "")
+    if lm.graphs is None:
+        print("bench.prefill: this model runs without CUDA graphs, so it has no chains", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    lm.warm_up()
+    warm_up_s = time.perf_counter() - t0
+    lm.graphs.chain_tokens = max(args.lengths)  # time chains past the default limit too
+    packed = lambda slot, prompt: lm.prefill_packed([slot], [prompt])  # noqa: E731
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    print(f"{what}: warm-up {warm_up_s:.1f} s; chains taken up to {CHAIN_PREFILL_TOKENS} tokens by default")
+    heads = ("tokens", "packed ms", "its device ms", "chains ms", "chains/packed", "max |dlogit|")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(heads, (7, 10, 14, 10, 14, 13))))
+    for n in args.lengths:
+        prompt = torch.randint(0, lm.config.vocab_size, (n,), generator=gen).tolist()
+        for run in (packed, lm.graphs.prefill_chain):  # once each before timing: allocator, cuBLAS heuristics
+            wall_ms(lm, run, prompt, 1)
+        a_ms = wall_ms(lm, packed, prompt, args.repeats)
+        b_ms = wall_ms(lm, lm.graphs.prefill_chain, prompt, args.repeats)
+        slot = lm.pool.alloc()
+        a = lm.prefill_packed([slot], [prompt])
+        lm.pool.free(slot)
+        slot = lm.pool.alloc()
+        b = lm.graphs.prefill_chain(slot, prompt)
+        lm.pool.free(slot)
+        row = {"tokens": n, "packed_ms": round(a_ms, 3), "packed_device_ms": round(device_ms(lm, prompt), 3),
+               "chains_ms": round(b_ms, 3), "chains_over_packed": round(b_ms / a_ms, 3),
+               "max_abs_logit_diff": (a - b).abs().max().item(), "logit_scale": a.abs().max().item()}
+        rows.append(row)
+        print(f"{n:>7} {a_ms:>10.2f} {row['packed_device_ms']:>14.2f} {b_ms:>10.2f} "
+              f"{row['chains_over_packed']:>14.2f} {row['max_abs_logit_diff']:>13.3g}", flush=True)
+    result = {
+        "kind": "treeserve.bench.prefill", "version": 1, "model": what, "device": torch.cuda.get_device_name(),
+        "dtype": "bf16", "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
+        "chain_prefill_tokens": CHAIN_PREFILL_TOKENS, "node_buckets": list(lm.graphs.node_buckets),
+        "warm_up_s": round(warm_up_s, 2), "command": " ".join(sys.argv), "rows": rows,
+    }
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

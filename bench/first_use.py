@@ -12,8 +12,10 @@ at an empty directory.
 Without `--no-warm-up` the model runs `HybridLM.warm_up` first (as the verifier and the drafter do at
 start-up) and its time and programs are reported; every later call should then compile nothing.
 Reported per call: host-measured ms (device synchronised) and the kernels that compiled a program
-during it. The model runs as the services run it: decode through CUDA graphs (its first call
-captures the one-sequence graph), prefill eagerly.
+during it. The model runs as a verifier runs it: decode through CUDA graphs (its first call
+captures the one-sequence graph), prompts of up to 512 tokens as chains through the graphs (which
+the warm-up captures), longer ones eagerly. A drafter builds its graphs otherwise
+(`DraftModel.load`), so `--model` with a drafter's checkpoint times it as a target.
 """
 from __future__ import annotations
 

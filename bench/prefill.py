@@ -40,15 +40,32 @@ def wall_ms(lm, run, prompt: list[int], repeats: int) -> float:
     return statistics.median(times)
 
 
-def device_ms(lm, prompt: list[int]) -> float:
+def once(lm, run, prompt: list[int]) -> torch.Tensor:
+    slot = lm.pool.alloc()
+    try:
+        return run(slot, prompt)
+    finally:
+        lm.pool.free(slot)
+
+
+def device_ms(lm, run, prompt: list[int]) -> float:
+    """The profiler's sum of the kernels of `run(slot, prompt)` on a fresh slot."""
     from torch.profiler import ProfilerActivity, profile
 
     slot = lm.pool.alloc()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        lm.prefill_packed([slot], [prompt])
+        run(slot, prompt)
         torch.cuda.synchronize()
     lm.pool.free(slot)
     return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+
+
+def prefill_as(lm, chain_tokens: int):
+    """`lm.prefill` of one prompt with chains taken up to `chain_tokens` tokens (0: always packed)."""
+    def run(slot: int, prompt: list[int]) -> torch.Tensor:
+        lm.graphs.chain_tokens = chain_tokens
+        return lm.prefill([slot], [prompt])
+    return run
 
 
 @torch.no_grad()
@@ -85,8 +102,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     lm.warm_up()
     warm_up_s = time.perf_counter() - t0
-    lm.graphs.chain_tokens = max(args.lengths)  # time chains past the default limit too
-    packed = lambda slot, prompt: lm.prefill_packed([slot], [prompt])  # noqa: E731
+    packed, chains = prefill_as(lm, 0), prefill_as(lm, max(args.lengths))  # chains past the default limit too
     gen = torch.Generator().manual_seed(0)
     rows = []
     print(f"{what}: warm-up {warm_up_s:.1f} s; chains taken up to {CHAIN_PREFILL_TOKENS} tokens by default")
@@ -94,17 +110,12 @@ def main(argv=None) -> int:
     print(" ".join(f"{h:>{w}}" for h, w in zip(heads, (7, 10, 14, 10, 14, 13))))
     for n in args.lengths:
         prompt = torch.randint(0, lm.config.vocab_size, (n,), generator=gen).tolist()
-        for run in (packed, lm.graphs.prefill_chain):  # once each before timing: allocator, cuBLAS heuristics
+        for run in (packed, chains):  # once each before timing: allocator, cuBLAS heuristics
             wall_ms(lm, run, prompt, 1)
         a_ms = wall_ms(lm, packed, prompt, args.repeats)
-        b_ms = wall_ms(lm, lm.graphs.prefill_chain, prompt, args.repeats)
-        slot = lm.pool.alloc()
-        a = lm.prefill_packed([slot], [prompt])
-        lm.pool.free(slot)
-        slot = lm.pool.alloc()
-        b = lm.graphs.prefill_chain(slot, prompt)
-        lm.pool.free(slot)
-        row = {"tokens": n, "packed_ms": round(a_ms, 3), "packed_device_ms": round(device_ms(lm, prompt), 3),
+        b_ms = wall_ms(lm, chains, prompt, args.repeats)
+        a, b = (once(lm, run, prompt) for run in (packed, chains))
+        row = {"tokens": n, "packed_ms": round(a_ms, 3), "packed_device_ms": round(device_ms(lm, packed, prompt), 3),
                "chains_ms": round(b_ms, 3), "chains_over_packed": round(b_ms / a_ms, 3),
                "max_abs_logit_diff": (a - b).abs().max().item(), "logit_scale": a.abs().max().item()}
         rows.append(row)

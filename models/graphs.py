@@ -72,9 +72,9 @@ NODE_BUCKETS = (1, 4, 8, 16, 32, 64, 128)
 PREPARED_PATH = 16
 # Prompts of up to this many tokens in all prefill as chains of at most the largest node bucket, a
 # verify replay and a commit replay each, instead of an eager prefill, which launches about ten
-# kernels a layer and waits on the host: a 90-token prompt of the 2.7B shape took 42 ms there for 4
-# ms of device work, and a 128-node verify takes 5 (BENCHMARKS.md, thirty-first round). Past a few
-# chains the eager prefill's device work catches up with its host time, and it wins.
+# kernels a layer and waits on the host: a 90-token prompt of the 2.7B shape took 42-68 ms there for
+# 4 ms of device work, and 5.5 ms as a chain (BENCHMARKS.md, thirty-first round). Past a few chains
+# the eager prefill's device work catches up with its host time, and it wins.
 CHAIN_PREFILL_TOKENS = 512
 
 
@@ -155,8 +155,8 @@ class GraphRunner:
         self.stash = VerifyStash(pool, rows, lm.dtype)
         self._handed_out = None  # weakref to the last stash view given to pending handles
         # prompts as chains (`prefill_chain`): graphs per node bucket, commits per path bucket
-        self.chain_tokens = chain_tokens if self.node_buckets else 0
-        self.chain_stash = VerifyStash(pool, max(self.node_buckets), lm.dtype) if self.chain_tokens else None
+        self.chain_tokens = chain_tokens
+        self.chain_stash = VerifyStash(pool, max(self.node_buckets), lm.dtype)
         self._chain: dict[int, _Graph] = {}
         self._chain_commit: dict[tuple[int, int], _Graph] = {}
 
@@ -222,18 +222,21 @@ class GraphRunner:
         self._handed_out = weakref.ref(view)
         return real, view, [b * Nb for b in range(B)]
 
+    @torch.no_grad()
     def prefill_chain(self, slot: int, tokens: list[int]) -> torch.Tensor:
         """Consume `tokens` after the slot's committed ones as chains of at most the largest node
         bucket, each verified by one replay over the chain stash and committed at once -> (1, V)
-        fp32 logits at the last token. Only for lengths `takes_prefill` took; the caller has
-        checked the slot's room."""
+        fp32 logits at the last token. For `HybridLM.prefill`, which checks the tokens and the
+        slot's room and asks `takes_prefill` first, so that every chain has its graph."""
         pool, top = self.lm.pool, max(self.node_buckets)
         logits = None
         for start in range(0, len(tokens), top):
             chain = tokens[start : start + top]
             n, L = len(chain), pool.length(slot)
             Nb = _bucket(n, self.node_buckets)
-            g = self._chain[Nb]
+            g = self._chain.get(Nb)
+            if g is None:
+                raise RuntimeError(f"no chain graph of {Nb} nodes: ask takes_prefill first")
             parents = [-1, *range(n - 1)]
             g.meta.copy_(_tree_meta([chain], [parents], [slot], [L], Nb), non_blocking=True)
             g.replay()
@@ -249,16 +252,16 @@ class GraphRunner:
         not fit a graph: a handle whose stash no longer aliases the shared one (or the chain
         stash), sizes past the buckets, a failed capture. The caller then commits eagerly."""
         if _all_alias(items, self.stash):
-            stash, graphs, batch_buckets = self.stash, self._commit, self.batch_buckets
-        elif self.chain_stash is not None and _all_alias(items, self.chain_stash):
-            stash, graphs, batch_buckets = self.chain_stash, self._chain_commit, (1,)
+            stash, graphs, batch_buckets, what = self.stash, self._commit, self.batch_buckets, "commit"
+        elif _all_alias(items, self.chain_stash):
+            stash, graphs, batch_buckets, what = self.chain_stash, self._chain_commit, (1,), "chain commit"
         else:
             return False
         Bb = _bucket(len(items), batch_buckets)
         Kb = _bucket(max(len(p) for p in paths), self.node_buckets)
         if Bb is None or Kb is None:
             return False
-        g = graphs[(Bb, Kb)] if (Bb, Kb) in graphs else self._capture_commit(stash, graphs, Bb, Kb)
+        g = graphs[(Bb, Kb)] if (Bb, Kb) in graphs else self._capture_commit(stash, graphs, Bb, Kb, what)
         if g is None:
             return False
         g.meta.copy_(commit_meta(items, paths, Bb, Kb, Bb * Kb, self.lm.pool.scratch_slot), non_blocking=True)
@@ -266,8 +269,8 @@ class GraphRunner:
         return True
 
     def capture_all(self) -> None:
-        """Capture now (start-up) instead of on first use: every decode and verify bucket, and the
-        commits of every batch bucket up to `PREPARED_PATH` steps."""
+        """Capture now (start-up) instead of on first use: every decode and verify bucket, the
+        commits of every batch bucket up to `PREPARED_PATH` steps, and the prompt chains."""
         for Bb in self.batch_buckets:
             if Bb not in self._decode:
                 self._capture_decode(Bb)
@@ -284,7 +287,7 @@ class GraphRunner:
             return
         for Nb in self.node_buckets:
             if self._chain_graph(Nb) is not None and (1, Nb) not in self._chain_commit:
-                self._capture_commit(self.chain_stash, self._chain_commit, 1, Nb)
+                self._capture_commit(self.chain_stash, self._chain_commit, 1, Nb, "chain commit")
 
     def capture_commits(self, batch_buckets: Sequence[int]) -> None:
         """Capture the commits of these batch buckets now, at each path-length bucket up to
@@ -293,7 +296,7 @@ class GraphRunner:
         for Bb in batch_buckets:
             for Kb in self.node_buckets:
                 if Kb <= PREPARED_PATH and (Bb, Kb) not in self._commit and Bb * Kb <= self.stash.rows:
-                    self._capture_commit(self.stash, self._commit, Bb, Kb)
+                    self._capture_commit(self.stash, self._commit, Bb, Kb, "commit")
 
     # ---- the shared stash, for forwards captured outside this runner ----------------------------
     def release_stash(self) -> None:
@@ -367,16 +370,16 @@ class GraphRunner:
                 meta, lambda m: self.lm.hidden("verify", _unpack(m, 1, Nb), self.chain_stash), f"chain {Nb}")
         return self._chain[Nb]
 
-    def _capture_commit(self, stash: VerifyStash, graphs: dict, Bb: int, Kb: int):
+    def _capture_commit(self, stash: VerifyStash, graphs: dict, Bb: int, Kb: int, what: str):
         """A commit graph over `stash`'s rows, kept in `graphs` (the verify stash's or the chain
-        stash's table)."""
+        stash's table); `what` names it in a failure."""
         # the warm-up run commits nothing (every item a no-op on the scratch slot) and only reads
         # the stash, whose live handles are the ones about to commit: no release here
         lm, rows = self.lm, Bb * Kb
         meta = commit_meta([], [], Bb, Kb, rows, lm.pool.scratch_slot)
-        what = f"{'chain ' if stash is self.chain_stash else ''}commit {Bb} x {Kb}"
         g = self._try_capture(
-            meta, lambda m: run_commit(lm.pool, stash, m, Bb, Kb, rows, lm.A_all, lm.dt_bias_all, lm.dt_limit), what)
+            meta, lambda m: run_commit(lm.pool, stash, m, Bb, Kb, rows, lm.A_all, lm.dt_bias_all, lm.dt_limit),
+            f"{what} {Bb} x {Kb}")
         graphs[(Bb, Kb)] = g
         return g
 

@@ -346,10 +346,10 @@ class HybridLM(nn.Module):
 
             a = slots[0]
             # the eager prefill, whatever short prompts run as: longer ones still take it
-            self.prefill_packed([a], [tokens(1)])
-            self.prefill_packed(slots, [tokens(self.WARM_UP_PROMPT) for _ in slots])
+            self._prefill_packed([a], [tokens(1)])
+            self._prefill_packed(slots, [tokens(self.WARM_UP_PROMPT) for _ in slots])
             for n in self.WARM_UP_CONTINUATIONS:
-                self.prefill_packed([a], [tokens(n)])
+                self._prefill_packed([a], [tokens(n)])
             self.decode([a], [0])
             for k in self.WARM_UP_PATHS:
                 res = self.verify([a], [TokenTree.chain(tokens(k))])
@@ -374,12 +374,12 @@ class HybridLM(nn.Module):
             self.pool.check_room(s, len(p), "prefill")
         if self.graphs is not None and self.graphs.takes_prefill([len(p) for p in prompts]):
             return torch.cat([self.graphs.prefill_chain(s, p) for s, p in zip(slots, prompts)])
-        return self.prefill_packed(slots, prompts)
+        return self._prefill_packed(slots, prompts)
 
     @torch.no_grad()
-    def prefill_packed(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        """`prefill` as one eager forward over all prompts packed, whatever their lengths (no
-        checks: `prefill` makes them)."""
+    def _prefill_packed(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """`prefill` as one eager forward over all prompts packed, whatever their lengths, for
+        prompts that `prefill` has checked."""
         lens = [self.pool.length(s) for s in slots]
         batch = packing.pack_prompts(slots, lens, prompts, self.device)
         h = self.hidden("prefill", batch)

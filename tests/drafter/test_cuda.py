@@ -54,6 +54,8 @@ def test_graphs_are_on_by_default_and_captured_at_load(pair):
     assert not runner.failures, runner.failures
     assert sorted(runner._verify) == [(1, n) for n in NODE_BUCKETS] and 1 in runner._decode
     assert runner.stash.rows == max(NODE_BUCKETS)
+    assert sorted(runner._chain) == list(NODE_BUCKETS)  # its starts and catch-ups
+    assert sorted(runner._chain_commit) == [(1, n) for n in NODE_BUCKETS]
 
 
 CASES = [("dynamic", GREEDY, True), ("dynamic", HOT, True), ("static", GREEDY, False), ("chain", HOT, False)]

@@ -49,6 +49,19 @@ def test_graph_mode_drafts_the_trees_eager_mode_drafts(models, prompt, arch, sha
     assert not runner.failures and runner._verify and runner.stash.rows == max(NODE_BUCKETS)
 
 
+def test_the_capture_at_load_takes_the_prompt_chains(tiny_pair):
+    """What `use_graphs` captures for a drafter on CUDA (`_capture_buckets`, run here as the eager
+    programs) includes the chains its starts and catch-ups run as, and their commits: none is
+    captured on a request."""
+    model = DraftModel.load(str(tiny_pair[1]), max_slots=2, max_len=256, cuda_graphs=False)
+    model.use_graphs(capture=False)
+    runner = model.lm.graphs
+    model._capture_buckets(runner)
+    assert not runner.failures, runner.failures
+    assert sorted(runner._chain) == list(runner.node_buckets)
+    assert sorted(runner._chain_commit) == [(1, n) for n in runner.node_buckets]
+
+
 @pytest.fixture
 def copies(monkeypatch):
     """Rows copied out of the shared stash, one entry per copy."""

@@ -5,7 +5,9 @@ Tolerances:
   decoding reproduces transformers' greedy `generate` token for token.
 - bf16: the max logit error against transformers fp32 (same weights) is at most
   3 x transformers' own bf16 error + 1% of the largest logit.
-- CUDA graphs vs eager (same dtype): within 1e-4 (fp32) / 2e-2 (bf16) of each other.
+- CUDA graphs vs eager (same dtype): within 1e-4 (fp32) / 2e-2 (bf16) of each other. With graphs
+  prompts run as chains (`GraphRunner.prefill_chain`), another scan than the packed prefill's,
+  which in bf16 rounds otherwise by more than that: there both models' prompts are packed.
 Skipped without CUDA.
 """
 from __future__ import annotations
@@ -178,6 +180,8 @@ def test_bf16_prefill_after_a_prefix_within_transformers_own_bf16_error(arch, gr
     path, m32, m16 = models(arch, tmp_path_factory)
     lm = HybridLM.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_slots=1, max_len=128,
                                   cuda_graphs=graphs)
+    if graphs is None and lm.graphs is None:
+        pytest.skip("no CUDA graphs for this model (MoE): its prompts are always packed")
     rng = random.Random(2)
     seq = random_prompt(rng, 30, VOCAB)
     slot = lm.pool.alloc()
@@ -190,6 +194,8 @@ def test_bf16_prefill_after_a_prefix_within_transformers_own_bf16_error(arch, gr
         ours = (logits - r32).abs().max().item()
         theirs = (ref_logits(m16, seq)[-1] - r32).abs().max().item()
         assert ours <= 3 * theirs + 0.01 * r32.abs().max().item(), f"+{n}: ours {ours:.3g}, transformers bf16 {theirs:.3g}"
+    if graphs is None:
+        assert lm.graphs._chain and not lm.graphs.failures, "the prompts did not run as chains"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

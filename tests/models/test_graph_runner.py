@@ -113,6 +113,27 @@ def test_short_prompts_prefill_as_chains_like_the_packed_prefill(saved, arch):
     assert (out[0] - hf_logits(model, seqs[0] + [5])[-1]).abs().max() < 1e-4
 
 
+def test_a_prompt_between_a_verify_and_its_commit_leaves_the_verify_alone(saved):
+    """A request that joins while another's verified tree waits for its commit (the verifier
+    commits with the next step): the prompt's chains write their own stash, so the commit still
+    finds the verify's rows, and what follows is what follows without the prompt."""
+    path, _ = saved("bamba")
+    plain, bucketed = _pair(path)
+    rng = random.Random(6)
+    first, other = random_prompt(rng, 6), random_prompt(rng, 7)
+    tree = random_tree(rng, rng.randrange(1, 96), 8, "random")  # a graph's tree, in the shared stash
+    branch = tree.path_to(tree.size - 1)
+    after = []
+    for lm in (plain, bucketed):
+        a, b = lm.pool.alloc(), lm.pool.alloc()
+        lm.prefill([a], [first])
+        res = lm.verify([a], [tree])
+        lm.prefill([b], [other])
+        lm.commit([(res.pending[0], branch)])
+        after.append(lm.decode([a, b], [3, 4]))
+    torch.testing.assert_close(after[1], after[0], rtol=1e-5, atol=1e-5)
+
+
 def test_a_prompt_whose_chain_graph_fails_is_prefilled_packed(saved, monkeypatch):
     """A chain graph that cannot be captured leaves the whole prompt to the packed prefill, with
     nothing committed twice; chains that have a graph still run as chains."""

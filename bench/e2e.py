@@ -43,6 +43,7 @@ import time
 from collections import Counter
 from typing import Optional
 
+from bench import report
 from bench.e2e_paths import GrpcPath, HFPath, InprocPath, Method, Trace
 
 DEMO = pathlib.Path(__file__).resolve().parents[1] / "models" / "demo"
@@ -425,7 +426,7 @@ def run(args: argparse.Namespace) -> int:
         "paths": [p for p in PATHS if p in args.paths], "path_labels": PATH_LABELS, "warmup_tokens": warmup,
         "prompts": [k for k, _ in prompts], "prompt_tokens": [len(ids) for _, ids in prompts],
         "toy": args.toy, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "versions": _versions(), "command": " ".join(sys.argv),
+        "versions": report.versions(), "command": " ".join(sys.argv),
     }
     print(f"bench e2e: {len(methods)} methods x {len(args.temperatures)} temperatures x {len(prompts)} prompts x "
           f"{args.max_new_tokens} tokens on {run_.result['config']['device_name']} ({args.dtype})", flush=True)
@@ -437,20 +438,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         _shutdown(run_)
     return _report(run_)
-
-
-def _versions() -> dict:
-    import torch
-    import transformers
-
-    out = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__}
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except ImportError:
-        pass
-    return out
 
 
 def _load(run_: Run, args, target, drafter, device: str, dtype, max_len: int) -> None:

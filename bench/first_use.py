@@ -20,12 +20,13 @@ the warm-up captures), longer ones eagerly. A drafter builds its graphs otherwis
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 import time
 
 import torch
+
+from bench import report
 
 DEMO = pathlib.Path(__file__).resolve().parents[1] / "models" / "demo"
 PROMPTS = (90, 96, 131, 266, 200, 64, 65, 17)  # the HumanEval prompts of `bench e2e` are 90-266 tokens
@@ -88,12 +89,10 @@ def main(argv=None) -> int:
     result = {
         "kind": "treeserve.bench.first-use", "version": 1, "model": str(pathlib.Path(args.model).resolve()),
         "device": torch.cuda.get_device_name(), "dtype": args.dtype, "warm_up": not args.no_warm_up,
-        "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
+        "versions": report.versions(),
         "command": " ".join(sys.argv), "calls": calls,
     }
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
+    report.write(result, args.out)
     return 0
 
 

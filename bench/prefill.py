@@ -15,13 +15,14 @@ no call compiles or captures anything.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
 import sys
 import time
 
 import torch
+
+from bench import report
 
 LENGTHS = (1, 3, 17, 64, 90, 128, 129, 266, 512, 1024, 2048)
 
@@ -123,13 +124,11 @@ def main(argv=None) -> int:
               f"{row['chains_over_packed']:>14.2f} {row['max_abs_logit_diff']:>13.3g}", flush=True)
     result = {
         "kind": "treeserve.bench.prefill", "version": 1, "model": what, "device": torch.cuda.get_device_name(),
-        "dtype": "bf16", "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
+        "dtype": "bf16", "versions": report.versions(),
         "chain_prefill_tokens": CHAIN_PREFILL_TOKENS, "node_buckets": list(lm.graphs.node_buckets),
         "warm_up_s": round(warm_up_s, 2), "command": " ".join(sys.argv), "rows": rows,
     }
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
+    report.write(result, args.out)
     return 0
 
 

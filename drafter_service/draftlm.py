@@ -133,13 +133,12 @@ class DraftModel:
         The drafter runs one tree at a time, so the runner's shared stash is sized for one tree of
         the largest node bucket, not for a batch of every slot; with capture, every single-tree
         verify bucket, the one-slot decode, the one-path commits of up to
-        `models.graphs.PREPARED_PATH` steps and the prompt chains (`GraphRunner.capture_chains`)
-        are captured now. The graphs of a dynamic tree's
-        growth (`grow`) are captured at the first tree of each budget, depth and pick rule (with
-        its support and its transform's truncations: whether top-k and top-p apply, not their
-        values; at most `MAX_GROWTHS` shapes), under `models.graphs.CAPTURE_LOCK`, which every
-        device step of this model and of its callers' pickers holds (`exclusive`), so no drafter
-        work runs beside a capture."""
+        `models.graphs.PREPARED_PATH` steps and the prompt chains (`GraphRunner.capture_chains`) are
+        captured now. The graphs of a dynamic tree's growth (`grow`) are captured at the first tree
+        of each budget, depth and pick rule (with its support and its transform's truncations:
+        whether top-k and top-p apply, not their values; at most `MAX_GROWTHS` shapes), under
+        `models.graphs.CAPTURE_LOCK`, which every device step of this model and of its callers'
+        pickers holds (`exclusive`), so no drafter work runs beside a capture."""
         from models.graphs import NODE_BUCKETS
 
         with self._call():

@@ -19,6 +19,7 @@ import pathlib
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -27,37 +28,41 @@ from bench import report
 LENGTHS = (1, 3, 17, 64, 90, 128, 129, 266, 512, 1024, 2048)
 
 
+@contextmanager
+def fresh_slot(lm):
+    """A slot taken for one call and given back after it (its state zeroed before the call)."""
+    slot = lm.pool.alloc()
+    try:
+        yield slot
+    finally:
+        lm.pool.free(slot)
+
+
 def wall_ms(lm, run, prompt: list[int], repeats: int) -> float:
     """Median ms of `run(slot, prompt)` on a fresh slot each time."""
     times = []
     for _ in range(repeats):
-        slot = lm.pool.alloc()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        run(slot, prompt)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-        lm.pool.free(slot)
+        with fresh_slot(lm) as slot:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            run(slot, prompt)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
 def once(lm, run, prompt: list[int]) -> torch.Tensor:
-    slot = lm.pool.alloc()
-    try:
+    with fresh_slot(lm) as slot:
         return run(slot, prompt)
-    finally:
-        lm.pool.free(slot)
 
 
 def device_ms(lm, run, prompt: list[int]) -> float:
     """The profiler's sum of the kernels of `run(slot, prompt)` on a fresh slot."""
     from torch.profiler import ProfilerActivity, profile
 
-    slot = lm.pool.alloc()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with fresh_slot(lm) as slot, profile(activities=[ProfilerActivity.CUDA]) as prof:
         run(slot, prompt)
         torch.cuda.synchronize()
-    lm.pool.free(slot)
     return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
 
 

@@ -178,9 +178,14 @@ class GraphRunner:
         is captured now, so that no prompt is left half done by a failed capture)."""
         if not sizes or sum(sizes) > self.chain_tokens:
             return False
-        top = max(self.node_buckets)
-        chains = {_bucket(min(top, n - start), self.node_buckets) for n in sizes for start in range(0, n, top)}
+        chains = {_bucket(k, self.node_buckets) for n in sizes for _, k in self._chain_spans(n)}
         return all(self._chain_graph(Nb) is not None for Nb in sorted(chains))
+
+    def _chain_spans(self, n: int) -> list[tuple[int, int]]:
+        """(first token, length) of each chain a prompt of n tokens splits into: the largest node
+        bucket at a time, the rest last."""
+        top = max(self.node_buckets)
+        return [(start, min(top, n - start)) for start in range(0, n, top)]
 
     # ---- steps --------------------------------------------------------------------------------
     def decode(self, slots: list[int], lens: list[int], tokens: list[int]) -> torch.Tensor | None:
@@ -228,11 +233,10 @@ class GraphRunner:
         bucket, each verified by one replay over the chain stash and committed at once -> (1, V)
         fp32 logits at the last token. For `HybridLM.prefill`, which checks the tokens and the
         slot's room and asks `takes_prefill` first, so that every chain has its graph."""
-        pool, top = self.lm.pool, max(self.node_buckets)
+        pool = self.lm.pool
         logits = None
-        for start in range(0, len(tokens), top):
-            chain = tokens[start : start + top]
-            n, L = len(chain), pool.length(slot)
+        for start, n in self._chain_spans(len(tokens)):
+            chain, L = tokens[start : start + n], pool.length(slot)
             Nb = _bucket(n, self.node_buckets)
             g = self._chain.get(Nb)
             if g is None:

@@ -1,16 +1,20 @@
-"""Prefill latency on one GPU, host time included: each prompt length as the packed eager prefill
-and as chains through the CUDA graphs (`GraphRunner.prefill_chain`, what `HybridLM.prefill` takes
-for prompts of up to `models.graphs.CHAIN_PREFILL_TOKENS` tokens), on a checkpoint directory or a
-benchmark shape with random bf16 weights (`bench.model_runtime`'s shapes).
+"""Prefill latency on one GPU, host time included: each prompt length three ways, on a checkpoint
+directory or a benchmark shape with random bf16 weights (`bench.model_runtime`'s shapes):
+- packed: the eager prefill over the prompt;
+- chains: through the CUDA graphs as chains only (verify and commit replays), as the thirty-first
+  round's code ran prompts of up to 512 tokens;
+- pieces: what `HybridLM.prefill` runs with graphs (`GraphRunner.prefill`): prefill chunks of
+  `models.graphs.PREFILL_CHUNKS` tokens while they fit, then chains.
 
     python -m bench.prefill --shape mamba2-2.7b --out prefill_mamba2.json
     python -m bench.prefill --model models/demo/target --out prefill_demo.json
 
 Per length: each way's median wall time over fresh slots (the device synchronised before and
 after, as a request sees it), the packed prefill's device time (the profiler's sum of its
-kernels: the rest is host time the device waits through), and the largest difference between the
-two ways' logits. The model is warmed up first (`HybridLM.warm_up`, which captures the chains), so
-no call compiles or captures anything.
+kernels: the rest is host time the device waits through), and the largest difference of the
+chains' and the pieces' logits from the packed prefill's. The model is warmed up first
+(`HybridLM.warm_up`, which captures the chunks and chains), so no call compiles or captures
+anything.
 """
 from __future__ import annotations
 
@@ -66,11 +70,17 @@ def device_ms(lm, run, prompt: list[int]) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
 
 
-def prefill_as(lm, chain_tokens: int):
-    """`lm.prefill` of one prompt with chains taken up to `chain_tokens` tokens (0: always packed)."""
+def prefill_as(lm, way: str):
+    """`lm.prefill` of one prompt the given way: packed, chains or pieces (see the module's text)."""
+    chunks = lm.graphs.prefill_chunks
+
     def run(slot: int, prompt: list[int]) -> torch.Tensor:
-        lm.graphs.chain_tokens = chain_tokens
-        return lm.prefill([slot], [prompt])
+        lm.graphs.prefill_tokens = 0 if way == "packed" else None
+        lm.graphs.prefill_chunks = () if way == "chains" else chunks
+        try:
+            return lm.prefill([slot], [prompt])
+        finally:
+            lm.graphs.prefill_chunks = chunks
     return run
 
 
@@ -90,7 +100,6 @@ def main(argv=None) -> int:
         return 2
 
     from models import HybridLM
-    from models.graphs import CHAIN_PREFILL_TOKENS
 
     max_len = max(args.lengths) + 64
     if args.model:
@@ -103,34 +112,38 @@ def main(argv=None) -> int:
                                   max_slots=2, max_len=max_len)
         what = args.shape + (f" ({args.layers} layers)" if args.layers else "")
     if lm.graphs is None:
-        print("bench.prefill: this model runs without CUDA graphs, so it has no chains", file=sys.stderr)
+        print("bench.prefill: this model runs without CUDA graphs: its prompts are always packed", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     lm.warm_up()
     warm_up_s = time.perf_counter() - t0
-    packed, chains = prefill_as(lm, 0), prefill_as(lm, max(args.lengths))  # chains past the default limit too
+    ways = {way: prefill_as(lm, way) for way in ("packed", "chains", "pieces")}
     gen = torch.Generator().manual_seed(0)
     rows = []
-    print(f"{what}: warm-up {warm_up_s:.1f} s; chains taken up to {CHAIN_PREFILL_TOKENS} tokens by default")
-    heads = ("tokens", "packed ms", "its device ms", "chains ms", "chains/packed", "max |dlogit|")
-    print(" ".join(f"{h:>{w}}" for h, w in zip(heads, (7, 10, 14, 10, 14, 13))))
+    print(f"{what}: warm-up {warm_up_s:.1f} s; prefill chunks {list(lm.graphs.prefill_chunks)}, "
+          f"node buckets {list(lm.graphs.node_buckets)}")
+    heads = ("tokens", "packed ms", "its device ms", "chains ms", "pieces ms", "pieces/packed", "max |dlogit|")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(heads, (7, 10, 14, 10, 10, 14, 13))))
     for n in args.lengths:
         prompt = torch.randint(0, lm.config.vocab_size, (n,), generator=gen).tolist()
-        for run in (packed, chains):  # once each before timing: allocator, cuBLAS heuristics
+        for run in ways.values():  # once each before timing: allocator, cuBLAS heuristics
             wall_ms(lm, run, prompt, 1)
-        a_ms = wall_ms(lm, packed, prompt, args.repeats)
-        b_ms = wall_ms(lm, chains, prompt, args.repeats)
-        a, b = (once(lm, run, prompt) for run in (packed, chains))
-        row = {"tokens": n, "packed_ms": round(a_ms, 3), "packed_device_ms": round(device_ms(lm, packed, prompt), 3),
-               "chains_ms": round(b_ms, 3), "chains_over_packed": round(b_ms / a_ms, 3),
-               "max_abs_logit_diff": (a - b).abs().max().item(), "logit_scale": a.abs().max().item()}
+        ms = {way: wall_ms(lm, run, prompt, args.repeats) for way, run in ways.items()}
+        logits = {way: once(lm, run, prompt) for way, run in ways.items()}
+        row = {"tokens": n, **{f"{way}_ms": round(t, 3) for way, t in ms.items()},
+               "packed_device_ms": round(device_ms(lm, ways["packed"], prompt), 3),
+               "pieces_over_packed": round(ms["pieces"] / ms["packed"], 3),
+               **{f"{way}_max_abs_logit_diff": (logits[way] - logits["packed"]).abs().max().item()
+                  for way in ("chains", "pieces")},
+               "logit_scale": logits["packed"].abs().max().item()}
         rows.append(row)
-        print(f"{n:>7} {a_ms:>10.2f} {row['packed_device_ms']:>14.2f} {b_ms:>10.2f} "
-              f"{row['chains_over_packed']:>14.2f} {row['max_abs_logit_diff']:>13.3g}", flush=True)
+        print(f"{n:>7} {ms['packed']:>10.2f} {row['packed_device_ms']:>14.2f} {ms['chains']:>10.2f} "
+              f"{ms['pieces']:>10.2f} {row['pieces_over_packed']:>14.2f} {row['pieces_max_abs_logit_diff']:>13.3g}",
+              flush=True)
     result = {
-        "kind": "treeserve.bench.prefill", "version": 1, "model": what, "device": torch.cuda.get_device_name(),
+        "kind": "treeserve.bench.prefill", "version": 2, "model": what, "device": torch.cuda.get_device_name(),
         "dtype": "bf16", "versions": report.versions(),
-        "chain_prefill_tokens": CHAIN_PREFILL_TOKENS, "node_buckets": list(lm.graphs.node_buckets),
+        "prefill_chunks": list(lm.graphs.prefill_chunks), "node_buckets": list(lm.graphs.node_buckets),
         "warm_up_s": round(warm_up_s, 2), "command": " ".join(sys.argv), "rows": rows,
     }
     report.write(result, args.out)

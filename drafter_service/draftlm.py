@@ -133,7 +133,7 @@ class DraftModel:
         The drafter runs one tree at a time, so the runner's shared stash is sized for one tree of
         the largest node bucket, not for a batch of every slot; with capture, every single-tree
         verify bucket, the one-slot decode, the one-path commits of up to
-        `models.graphs.PREPARED_PATH` steps and the prompt chains (`GraphRunner.capture_chains`) are
+        `models.graphs.PREPARED_PATH` steps and the prompt pieces (`GraphRunner.capture_prefill`) are
         captured now. The graphs of a dynamic tree's growth (`grow`) are captured at the first tree
         of each budget, depth and pick rule (with its support and its transform's truncations:
         whether top-k and top-p apply, not their values; at most `MAX_GROWTHS` shapes), under
@@ -150,7 +150,7 @@ class DraftModel:
 
     def _capture_buckets(self, runner) -> None:
         """Capture what one tree at a time replays: each verify bucket (by running it once), the
-        decode of one slot, the commits of one path, and the chains its prompts run as."""
+        decode of one slot, the commits of one path, and the pieces its prompts run as."""
         slot = self.lm.pool.alloc()
         try:
             for n in runner.node_buckets:
@@ -161,7 +161,7 @@ class DraftModel:
         finally:
             self.lm.pool.free(slot)
         runner.capture_commits([1])  # a drafter commits one sequence's path at a time
-        runner.capture_chains()  # its starts and catch-ups (`HybridLM.prefill`)
+        runner.capture_prefill()  # its starts and catch-ups (`HybridLM.prefill`)
 
     @property
     def device(self) -> torch.device:

@@ -131,25 +131,29 @@ def conv_state_commit_ref(conv_state, slot_idx, xbc, rows, path_len, cache_lens)
         state[slots, :, :, col] = torch.where(taken, new, state[slots, :, :, col])
 
 
-def conv1d_prefill_ref(xbc, weight, bias, conv_state=None, start: int = 0):
+def conv1d_prefill_ref(xbc, weight, bias, conv_state=None, start=0):
     """One sequence: xbc (L, D) at positions start .. start+L-1 -> (SiLU(causal conv) (L, D),
     the new ring (D, W)).
 
     `conv_state (D, W)` is the ring of a slot that has consumed `start` tokens (None: a fresh slot,
-    all zeros, with start 0); the new ring has its dtype (xbc's dtype when None).
+    all zeros, with start 0); the new ring has its dtype (xbc's dtype when None). `start` is an int
+    or a one-element integer tensor on the device (what a CUDA graph's prefill reads at replay).
     """
     L, D = xbc.shape
     W = weight.shape[1]
     state_dtype = conv_state.dtype if conv_state is not None else xbc.dtype
     if conv_state is None:
         conv_state = torch.zeros(D, W, dtype=xbc.dtype, device=xbc.device)
-    lens = torch.tensor([start], device=xbc.device)
+    lens = torch.as_tensor(start, device=xbc.device).reshape(1).long()
     window = conv_window(conv_state[None], lens)[0]
     seq = torch.cat([window.float(), xbc.float().t()], dim=1)  # (D, W-1+L)
     out = F.conv1d(seq[None], weight.float()[:, None, :], bias.float() if bias is not None else None, groups=D)
-    ring = conv_state.to(state_dtype).clone()
-    for p in range(max(start, start + L - W), start + L):
-        ring[:, p % W] = xbc[p - start].to(state_dtype)
+    # ring column r holds the newest position that is r mod W: a prompt position when there is one
+    first = lens + L - W
+    pos = first + (torch.arange(W, device=xbc.device) - first) % W  # (W,)
+    from_x = pos >= lens
+    taken = xbc[(pos - lens).clamp(0, max(L - 1, 0))].t().to(state_dtype) if L else conv_state.to(state_dtype)
+    ring = torch.where(from_x[None, :], taken, conv_state.to(state_dtype))
     return F.silu(out[0].t()).to(xbc.dtype), ring
 
 
@@ -415,16 +419,17 @@ def conv_state_commit(conv_state, slot_idx, xbc, rows, path_len, cache_lens):
     )
 
 
-@triton.jit(do_not_specialize=["L", "start"])  # sizes that change per call: one compile serves them all
+@triton.jit(do_not_specialize=["L", "start_ptr"])  # sizes and positions that change per call: one compile serves them all
 def _conv_prefill_kernel(
-    x_ptr, w_ptr, bias_ptr, init_ptr, out_ptr, new_state_ptr,
-    L, D, start,
+    x_ptr, w_ptr, bias_ptr, init_ptr, out_ptr, new_state_ptr, start_ptr,
+    L, D,
     stride_xl, stride_wd, stride_id, stride_ol, stride_nd,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, WP: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     tile = tl.program_id(0)
     dblk = tl.program_id(1)
+    start = tl.load(start_ptr).to(tl.int32)  # committed length, read on the device (graph replays)
     t = tile * BLOCK_L + tl.arange(0, BLOCK_L)
     t_ok = t < L
     d = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -461,8 +466,9 @@ def _conv_prefill_kernel(
                  mask=d_ok[:, None] & r_ok[None, :])
 
 
-def conv1d_prefill(xbc, weight, bias, conv_state=None, start: int = 0):
-    """Triton twin of `conv1d_prefill_ref`: xbc (L, D) -> (out (L, D), new ring (D, W))."""
+def conv1d_prefill(xbc, weight, bias, conv_state=None, start=0):
+    """Triton twin of `conv1d_prefill_ref`: xbc (L, D) -> (out (L, D), new ring (D, W)); `start` an
+    int or a one-element integer tensor on xbc's device."""
     L, D = xbc.shape
     W = weight.shape[1]
     if not 1 <= W <= 4:
@@ -477,14 +483,18 @@ def conv1d_prefill(xbc, weight, bias, conv_state=None, start: int = 0):
     if L == 0:
         return out, (conv_state.clone() if conv_state is not None else torch.zeros(D, W, dtype=state_dtype,
                                                                                     device=xbc.device))
+    if not isinstance(start, torch.Tensor):
+        start = torch.full((1,), int(start), dtype=torch.int32, device=xbc.device)
+    elif start.numel() != 1 or start.device != xbc.device:
+        raise ValueError(f"start must be one integer on {xbc.device}, got {tuple(start.shape)} on {start.device}")
     new_state = torch.empty(D, W, dtype=state_dtype, device=xbc.device)
     BLOCK_L = 16
     BLOCK_D = _conv_blocks(D, BLOCK_L)
     grid = (triton.cdiv(L, BLOCK_L), triton.cdiv(D, BLOCK_D))
     _conv_prefill_kernel[grid](
         xbc, weight, bias if bias is not None else weight, conv_state if conv_state is not None else weight,
-        out, new_state,
-        L, D, int(start),
+        out, new_state, start,
+        L, D,
         xbc.stride(0), weight.stride(0), conv_state.stride(0) if conv_state is not None else 0, out.stride(0),
         new_state.stride(0),
         W=W, HAS_BIAS=bias is not None, HAS_INIT=conv_state is not None, WP=triton.next_power_of_2(W),

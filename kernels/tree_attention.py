@@ -52,11 +52,13 @@ def _check_kv_stash(k, stash) -> None:
 
 
 def tree_attention_ref(q, k_cache, v_cache, parents, cu_seqlens, slot_idx, cache_lens, max_nodes, scale,
-                       *, out=None, **_tuning):
+                       *, out=None, chains: bool = False, **_tuning):
     """q (T, Hq, Dh) -> (T, Hq, Dh) in q's dtype; softmax in fp32.
 
-    Tree K/V must already be in the cache (`write_tree_kv`). `out` receives the result when given;
-    the Triton version's tuning keywords are accepted and ignored.
+    Tree K/V must already be in the cache (`write_tree_kv`). `out` receives the result when given.
+    `chains=True` promises that every tree is a chain (node i's parent is i - 1, a prompt piece):
+    the Triton version then masks causally instead of walking `parents`; this one reads `parents`
+    either way. The Triton version's tuning keywords are accepted and ignored.
     """
     T, Hq, Dh = q.shape
     Hkv = k_cache.shape[2]
@@ -110,7 +112,9 @@ def kv_commit_ref(k_cache, v_cache, slot_idx, cache_lens, path_nodes, path_len):
 # tree key blocks are visited from the highest index down while every row walks its own root path
 # through `parents`, marking the ancestors that fall inside the current block. Since ancestors have
 # smaller indices than their descendants, the walk is resumed, not restarted, from block to block,
-# so a tile costs depth + #blocks parent gathers in all, for any tree shape and size.
+# so a tile costs depth + #blocks parent gathers in all, for any tree shape and size. A prompt piece
+# (CHAIN) skips the walk: there node j is an ancestor-or-self of node i exactly when j <= i, and the
+# walk of a 512-node chain is 512 dependent gathers per tile.
 # With more than one split the partial (max, sum, accumulator) triples go to an fp32 workspace and a
 # second kernel merges them (flash-decoding), which keeps the GPU busy when B x Hkv is small.
 
@@ -125,7 +129,7 @@ def _tree_attn_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, DH: tl.constexpr, BLOCK_DH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_KV: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr,
+    CHAIN: tl.constexpr, PDL: tl.constexpr,
 ):
     release_next(PDL)
     wait_for_previous(PDL)  # every input below may come from the kernel before
@@ -192,12 +196,15 @@ def _tree_attn_kernel(
         for i in range(0, n_blocks):
             j0 = (n_blocks - 1 - i) * BLOCK_KV
             cols = j0 + kv
-            hit = tl.zeros((BLOCK_M, BLOCK_KV), dtype=tl.int32)
-            while tl.max(cur, 0) >= j0:
-                hit = tl.where(cur[:, None] == cols[None, :], 1, hit)
-                climb = cur >= j0
-                parent = tl.load(parents_ptr + start + tl.maximum(cur, 0), mask=climb, other=-1)
-                cur = tl.where(climb, parent, cur)
+            if CHAIN:
+                hit = ((cols[None, :] <= node[:, None]) & row_ok[:, None]).to(tl.int32)
+            else:
+                hit = tl.zeros((BLOCK_M, BLOCK_KV), dtype=tl.int32)
+                while tl.max(cur, 0) >= j0:
+                    hit = tl.where(cur[:, None] == cols[None, :], 1, hit)
+                    climb = cur >= j0
+                    parent = tl.load(parents_ptr + start + tl.maximum(cur, 0), mask=climb, other=-1)
+                    cur = tl.where(climb, parent, cur)
             c_ok = cols < n
             pos = (L + cols).to(tl.int64)
             kt = tl.load(k_base + pos[None, :] * stride_kl + dd[:, None], mask=c_ok[None, :] & d_ok[:, None], other=0.0)
@@ -302,11 +309,12 @@ def attention_splits(batch: int, hkv: int, tiles: int, rows_per_head: int, lmax:
 
 
 def tree_attention(q, k_cache, v_cache, parents, cu_seqlens, slot_idx, cache_lens, max_nodes, scale,
-                   *, out=None, num_splits: int | None = None, block_kv: int | None = None,
+                   *, out=None, chains: bool = False, num_splits: int | None = None, block_kv: int | None = None,
                    num_warps: int | None = None, block_m: int | None = None):
     """Triton twin of `tree_attention_ref`. q (T, Hq, Dh) -> (T, Hq, Dh).
 
-    `out` receives the result when given. Keyword-only tuning knobs (defaults chosen from shapes):
+    `out` receives the result when given; `chains=True` promises chain trees (causal masks, no
+    walk of `parents`). Keyword-only tuning knobs (defaults chosen from shapes):
     `num_splits` prefix splits, `block_kv` keys per block (power of two >= 16), `num_warps` per program,
     `block_m` query rows per program (power of two; nodes x padded head group, default up to 64).
     """
@@ -350,7 +358,7 @@ def tree_attention(q, k_cache, v_cache, parents, cu_seqlens, slot_idx, cache_len
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_P=GROUP_P, DH=Dh, BLOCK_DH=BLOCK_DH,
         BLOCK_M=BLOCK_M, BLOCK_KV=BLOCK_KV, SPLIT=num_splits > 1, IEEE=q.dtype == torch.float32,
-        **with_pdl, num_warps=cfg["num_warps"],
+        CHAIN=bool(chains), **with_pdl, num_warps=cfg["num_warps"],
     )
     if num_splits > 1:
         _merge_splits_kernel[(T,)](

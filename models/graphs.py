@@ -1,4 +1,4 @@
-"""CUDA graphs for decode and verify: one graph replay per step at bucketed shapes.
+"""CUDA graphs for decode, verify, commits and prompts: one graph replay per step at bucketed shapes.
 
 A graph is captured (lazily, or all at once with `capture_all`) per batch bucket for decode and
 per (batch bucket, node bucket) for verify. Inputs go through one static int64 buffer that a step
@@ -20,10 +20,13 @@ bucket): one host-to-device copy of the layout `models.verify.commit_meta` build
 where an eager commit costs about ten launches of host time (0.4-0.8 ms at the 2.7B shape, where the
 device needs 0.15). Padded items are no-ops on the scratch slot.
 
-Short prompts run as chains (`prefill_chain`): a prompt is a tree with one branch, so a verify of it
-followed by the commit of its whole path is its prefill, in two replays. These chain graphs have a
-stash of their own (one tree of the largest node bucket) and commit graphs over it, so a prompt
-never overwrites the rows that pending verify handles still need.
+Prompts run through graphs too (`prefill`), in pieces:
+- prefill graphs of `PREFILL_CHUNKS` tokens, largest first while they fit: the prefill's own
+  kernels over one piece, whose slot and committed length the graph reads on the device;
+- the rest, shorter than every chunk, as chains: a prompt is a tree with one branch, so a verify of
+  it followed by the commit of its whole path is its prefill, in two replays. These chain graphs
+  have a stash of their own (one tree of the largest node bucket) and commit graphs over it, so a
+  prompt never overwrites the rows that pending verify handles still need.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ import gc
 import threading
 import warnings
 import weakref
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -70,12 +73,23 @@ NODE_BUCKETS = (1, 4, 8, 16, 32, 64, 128)
 # unrolls its path (kernels/ssm_commit.UNROLLED_STEPS); unrolled, its compile grew to 6 s at 32
 # steps and 33 s at 64 on an H100 (BENCHMARKS.md, twenty-ninth round).
 PREPARED_PATH = 16
-# Prompts of up to this many tokens in all prefill as chains of at most the largest node bucket, a
-# verify replay and a commit replay each, instead of an eager prefill, which launches about ten
-# kernels a layer and waits on the host: a 90-token prompt of the 2.7B shape took 42-68 ms there for
-# 4 ms of device work, and 5.5 ms as a chain (BENCHMARKS.md, thirty-first round). Past a few chains
-# the eager prefill's device work catches up with its host time, and it wins.
-CHAIN_PREFILL_TOKENS = 512
+# Prompts prefill through graphs (`GraphRunner.prefill`), not eagerly: the eager prefill launches
+# about ten kernels a layer and waits on the host (a 90-token prompt of the 2.7B shape took 42-68 ms
+# for 4 ms of device work; BENCHMARKS.md, thirty-first round). Pieces of these sizes replay a graph
+# of the prefill's own kernels, whose chunked scan costs less a token than a verify and a commit of
+# the same chain; the rest of a prompt (shorter than all of them) runs as chains of at most the
+# largest node bucket, a verify replay and a commit replay each.
+PREFILL_CHUNKS = (128, 256, 512)
+
+
+class _Piece(NamedTuple):
+    """A piece of a prompt as `GraphRunner.prefill` runs it: tokens start .. start+n-1 through the
+    graph `kind` ("chunk" or "chain") of size `size` (the chunk's length, the chain's node bucket)."""
+
+    start: int
+    n: int
+    kind: str
+    size: int
 
 
 def tree_buckets(pool, node_buckets=NODE_BUCKETS) -> tuple[int, ...]:
@@ -139,7 +153,7 @@ class GraphRunner:
     """
 
     def __init__(self, lm, node_buckets=NODE_BUCKETS, capture: bool = True, max_rows: int = 1024,
-                 chain_tokens: int = CHAIN_PREFILL_TOKENS):
+                 prefill_chunks: Sequence[int] = PREFILL_CHUNKS, prefill_tokens: int | None = None):
         self.lm = lm
         self.capture = capture
         self.max_rows = max_rows
@@ -154,8 +168,12 @@ class GraphRunner:
         rows = min(max_rows, max(self.batch_buckets) * max(self.node_buckets))
         self.stash = VerifyStash(pool, rows, lm.dtype)
         self._handed_out = None  # weakref to the last stash view given to pending handles
-        # prompts as chains (`prefill_chain`): graphs per node bucket, commits per path bucket
-        self.chain_tokens = chain_tokens
+        # prompts (`prefill`): those of at most `prefill_tokens` tokens in all (None: any), as pieces
+        # of the prefill chunks that fit the pool, then chains (graphs per node bucket, commits per
+        # path bucket over a stash of their own)
+        self.prefill_tokens = prefill_tokens
+        self.prefill_chunks = tuple(sorted((c for c in prefill_chunks if c <= pool.max_len), reverse=True))
+        self._chunk: dict[int, _Graph] = {}
         self.chain_stash = VerifyStash(pool, max(self.node_buckets), lm.dtype)
         self._chain: dict[int, _Graph] = {}
         self._chain_commit: dict[tuple[int, int], _Graph] = {}
@@ -173,19 +191,30 @@ class GraphRunner:
         return self._verify.get((Bb, Nb), True) is not None
 
     def takes_prefill(self, sizes: list[int]) -> bool:
-        """Whether prompts of these lengths prefill as chains (`prefill_chain`): at most
-        `chain_tokens` tokens in all and a graph for every chain they split into (one not tried yet
-        is captured now, so that no prompt is left half done by a failed capture)."""
-        if not sizes or sum(sizes) > self.chain_tokens:
+        """Whether prompts of these lengths prefill through graphs (`prefill`): at most
+        `prefill_tokens` tokens in all and a graph for every piece they split into (one not tried
+        yet is captured now, so that no prompt is left half done by a failed capture)."""
+        if not sizes or (self.prefill_tokens is not None and sum(sizes) > self.prefill_tokens):
             return False
-        chains = {_bucket(k, self.node_buckets) for n in sizes for _, k in self._chain_spans(n)}
-        return all(self._chain_graph(Nb) is not None for Nb in sorted(chains))
+        kinds = {(p.kind, p.size) for n in sizes for p in self._pieces(n)}
+        return all(self._piece_graph(kind, size) is not None for kind, size in sorted(kinds))
 
-    def _chain_spans(self, n: int) -> list[tuple[int, int]]:
-        """(first token, length) of each chain a prompt of n tokens splits into: the largest node
-        bucket at a time, the rest last."""
+    def _pieces(self, n: int) -> list[_Piece]:
+        """The pieces a prompt of n tokens runs as: prefill chunks, largest first, while they fit;
+        then chains of the largest node bucket at a time, the rest last."""
+        out, start = [], 0
+        for c in self.prefill_chunks:
+            while n - start >= c:
+                out.append(_Piece(start, c, "chunk", c))
+                start += c
         top = max(self.node_buckets)
-        return [(start, min(top, n - start)) for start in range(0, n, top)]
+        for first in range(start, n, top):
+            k = min(top, n - first)
+            out.append(_Piece(first, k, "chain", _bucket(k, self.node_buckets)))
+        return out
+
+    def _piece_graph(self, kind: str, size: int):
+        return self._chunk_graph(size) if kind == "chunk" else self._chain_graph(size)
 
     # ---- steps --------------------------------------------------------------------------------
     def decode(self, slots: list[int], lens: list[int], tokens: list[int]) -> torch.Tensor | None:
@@ -228,27 +257,42 @@ class GraphRunner:
         return real, view, [b * Nb for b in range(B)]
 
     @torch.no_grad()
-    def prefill_chain(self, slot: int, tokens: list[int]) -> torch.Tensor:
-        """Consume `tokens` after the slot's committed ones as chains of at most the largest node
-        bucket, each verified by one replay over the chain stash and committed at once -> (1, V)
+    def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
+        """Consume `tokens` after the slot's committed ones, piece by piece (`_pieces`) -> (1, V)
         fp32 logits at the last token. For `HybridLM.prefill`, which checks the tokens and the
-        slot's room and asks `takes_prefill` first, so that every chain has its graph."""
-        pool = self.lm.pool
+        slot's room and asks `takes_prefill` first, so that every piece has its graph."""
         logits = None
-        for start, n in self._chain_spans(len(tokens)):
-            chain, L = tokens[start : start + n], pool.length(slot)
-            Nb = _bucket(n, self.node_buckets)
-            g = self._chain.get(Nb)
+        for piece in self._pieces(len(tokens)):
+            g = self._chunk.get(piece.size) if piece.kind == "chunk" else self._chain.get(piece.size)
             if g is None:
-                raise RuntimeError(f"no chain graph of {Nb} nodes: ask takes_prefill first")
-            parents = [-1, *range(n - 1)]
-            g.meta.copy_(_tree_meta([chain], [parents], [slot], [L], Nb), non_blocking=True)
-            g.replay()
-            if start + n == len(tokens):
-                logits = self.lm.logits(g.hidden[n - 1 : n])
-            pending = Pending(slot, pool.version(slot), L, tuple(parents), self.chain_stash, 0)
-            self.lm.commit([(pending, list(range(n)))])
+                raise RuntimeError(f"no {piece.kind} graph of {piece.size}: ask takes_prefill first")
+            run = self._run_chunk if piece.kind == "chunk" else self._run_chain
+            hidden = run(g, slot, tokens[piece.start : piece.start + piece.n])
+            if piece.start + piece.n == len(tokens):
+                logits = self.lm.logits(hidden)
         return logits
+
+    def _run_chunk(self, g: "_Graph", slot: int, piece: list[int]) -> torch.Tensor:
+        """One prefill graph replay over `piece` (exactly the graph's length) -> the last token's
+        hidden state (1, d_model)."""
+        pool, n = self.lm.pool, len(piece)
+        g.meta.copy_(_tree_meta([piece], [[-1, *range(n - 1)]], [slot], [pool.length(slot)], n), non_blocking=True)
+        g.replay()
+        pool.advance(slot, n)
+        return g.hidden[n - 1 : n]
+
+    def _run_chain(self, g: "_Graph", slot: int, chain: list[int]) -> torch.Tensor:
+        """A chain graph replay over the chain stash, then the commit of its whole path -> the last
+        token's hidden state (1, d_model)."""
+        pool, n = self.lm.pool, len(chain)
+        L = pool.length(slot)
+        parents = [-1, *range(n - 1)]
+        Nb = g.hidden.shape[0]  # the graph's node bucket
+        g.meta.copy_(_tree_meta([chain], [parents], [slot], [L], Nb), non_blocking=True)
+        g.replay()
+        pending = Pending(slot, pool.version(slot), L, tuple(parents), self.chain_stash, 0)
+        self.lm.commit([(pending, list(range(n)))])  # its graph writes the pool, never this output
+        return g.hidden[n - 1 : n]
 
     def commit(self, items, paths: list[list[int]]) -> bool:
         """Apply a checked commit (`models.verify.check_commit`: items and their paths) as one graph
@@ -274,7 +318,7 @@ class GraphRunner:
 
     def capture_all(self) -> None:
         """Capture now (start-up) instead of on first use: every decode and verify bucket, the
-        commits of every batch bucket up to `PREPARED_PATH` steps, and the prompt chains."""
+        commits of every batch bucket up to `PREPARED_PATH` steps, and the prompt pieces."""
         for Bb in self.batch_buckets:
             if Bb not in self._decode:
                 self._capture_decode(Bb)
@@ -282,13 +326,16 @@ class GraphRunner:
                 if (Bb, Nb) not in self._verify and Bb * Nb <= self.stash.rows:
                     self._capture_verify(Bb, Nb)
         self.capture_commits(self.batch_buckets)
-        self.capture_chains()
+        self.capture_prefill()
 
-    def capture_chains(self) -> None:
-        """Capture the chain graphs of every node bucket and their commits (`prefill_chain`): a first
-        prompt of each length bucket would otherwise pay a capture and, past 16 tokens, compiles."""
-        if not self.chain_tokens:
+    def capture_prefill(self) -> None:
+        """Capture the prefill chunks, and the chain graphs of every node bucket with their commits
+        (`prefill`): a first prompt of each length would otherwise pay a capture and, past 16
+        tokens, compiles."""
+        if self.prefill_tokens == 0:
             return
+        for c in self.prefill_chunks:
+            self._chunk_graph(c)
         for Nb in self.node_buckets:
             if self._chain_graph(Nb) is not None and (1, Nb) not in self._chain_commit:
                 self._capture_commit(self.chain_stash, self._chain_commit, 1, Nb, "chain commit")
@@ -373,6 +420,15 @@ class GraphRunner:
             self._chain[Nb] = self._try_capture(
                 meta, lambda m: self.lm.hidden("verify", _unpack(m, 1, Nb), self.chain_stash), f"chain {Nb}")
         return self._chain[Nb]
+
+    def _chunk_graph(self, n: int):
+        """The prefill graph of n-token pieces (captured now if not tried yet; None if it failed). Its
+        forward writes the slot's states and K/V, and no stash."""
+        if n not in self._chunk:
+            meta = _tree_meta([[0] * n], [[-1, *range(n - 1)]], [self.lm.pool.scratch_slot], [0], n)
+            self._chunk[n] = self._try_capture(
+                meta, lambda m: self.lm.hidden("prefill_chunk", _unpack(m, 1, n)), f"prefill {n}")
+        return self._chunk[n]
 
     def _capture_commit(self, stash: VerifyStash, graphs: dict, Bb: int, Kb: int, what: str):
         """A commit graph over `stash`'s rows, kept in `graphs` (the verify stash's or the chain

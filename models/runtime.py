@@ -219,10 +219,10 @@ class HybridLM(nn.Module):
         return self.device.type == "cuda" and not any(isinstance(b.mixer, MoE) for b in self.blocks)
 
     def use_graphs(self, capture: bool = True, **options):
-        """From now on run decode, verify and short prompts through bucketed static buffers: CUDA-graph
+        """From now on run decode, verify and prompts through bucketed static buffers: CUDA-graph
         replays (`capture=True`, CUDA only), or the same programs run eagerly (`capture=False`, how
         CPU tests exercise this path). `options` go to `models.graphs.GraphRunner` (node_buckets,
-        max_rows, chain_tokens). Returns the runner."""
+        max_rows, prefill_chunks, prefill_tokens). Returns the runner."""
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the model is on {self.device}")
         self.graphs = GraphRunner(self, capture=capture, **options)
@@ -234,7 +234,8 @@ class HybridLM(nn.Module):
         return self.embed.weight if self.config.tie_embeddings else self.lm_head.weight
 
     def hidden(self, mode: str, batch: Packed, stash: VerifyStash | None = None) -> torch.Tensor:
-        """Final-norm hidden states (T, d_model) of every packed token; `mode` is prefill/decode/verify."""
+        """Final-norm hidden states (T, d_model) of every packed token; `mode` is prefill, decode,
+        verify or prefill_chunk (one prompt piece whose slot and length live on the device only)."""
         cfg = self.config
         emb = self.embed(batch.tokens)
         h = emb * cfg.embedding_multiplier if cfg.embedding_multiplier != 1.0 else emb
@@ -314,15 +315,15 @@ class HybridLM(nn.Module):
         """On CUDA, compile before the first request what a prefill of any length, a one-sequence
         decode, verify and commit launch (see WARM_UP_PATHS), on slots taken and given back here: a
         prompt or a drafter's catch-up of a length not seen before otherwise paid a compile of up
-        to a few seconds (BENCHMARKS.md, twenty-ninth round). With graphs, also capture the chains
-        short prompts run as (`GraphRunner.capture_chains`: their first capture compiles the
-        verify and commit programs of more than 16 nodes). Run it before the model serves: it
+        to a few seconds (BENCHMARKS.md, twenty-ninth round). With graphs, also capture the pieces
+        prompts run as (`GraphRunner.capture_prefill`: the prefill chunks, and the chains, whose
+        first capture compiles the verify and commit programs of more than 16 nodes). Run it before the model serves: it
         takes no lock. Nothing to do off CUDA (the reference twins run there)."""
         if self.device.type != "cuda":
             return
         self.warm_up_calls()
         if self.graphs is not None:
-            self.graphs.capture_chains()
+            self.graphs.capture_prefill()
         torch.cuda.synchronize(self.device)
 
     @torch.no_grad()
@@ -345,7 +346,8 @@ class HybridLM(nn.Module):
                 return torch.randint(0, self.config.vocab_size, (n,), generator=gen).tolist()
 
             a = slots[0]
-            # the eager prefill, whatever short prompts run as: longer ones still take it
+            # the eager prefill, whatever the graphs take: prompts with a piece left without a graph
+            # (a failed capture) and models without graphs take it
             self._prefill_packed([a], [tokens(1)])
             self._prefill_packed(slots, [tokens(self.WARM_UP_PROMPT) for _ in slots])
             for n in self.WARM_UP_CONTINUATIONS:
@@ -361,8 +363,9 @@ class HybridLM(nn.Module):
     @torch.no_grad()
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Consume every prompt token (after whatever each slot already holds) -> (B, V) fp32 logits
-        at each prompt's last position. With graphs, short prompts run as chains through them
-        (`GraphRunner.prefill_chain`); the rest in one eager forward over all prompts packed."""
+        at each prompt's last position. With graphs, each prompt runs through them in pieces
+        (`GraphRunner.prefill`); without, or where a piece has no graph, all prompts run in one
+        eager forward, packed."""
         slots = self._check(slots, len(prompts), "prefill")
         if not slots:
             return self._empty_logits()
@@ -373,7 +376,7 @@ class HybridLM(nn.Module):
             self._check_tokens(p, "prefill")
             self.pool.check_room(s, len(p), "prefill")
         if self.graphs is not None and self.graphs.takes_prefill([len(p) for p in prompts]):
-            return torch.cat([self.graphs.prefill_chain(s, p) for s, p in zip(slots, prompts)])
+            return torch.cat([self.graphs.prefill(s, p) for s, p in zip(slots, prompts)])
         return self._prefill_packed(slots, prompts)
 
     @torch.no_grad()

@@ -2,7 +2,8 @@
 
 Positions are committed length + depth (prompt index for prefill); RoPE (when the architecture has
 it) is applied before K is written to the cache. Prefill attends causally with plain SDPA, one
-prompt at a time; decode and verify use the tree attention kernel on the packed batch.
+prompt at a time; decode, verify and the prompt pieces of a prefill graph (`prefill_chunk`, a
+chain tree) use the tree attention kernel on the packed batch.
 """
 from __future__ import annotations
 
@@ -90,6 +91,12 @@ class Attention(nn.Module):
                 outs.append(o[0].transpose(0, 1))
         return self._out(torch.cat(outs, 0))
 
+    def prefill_chunk(self, h: torch.Tensor, batch: Packed, pool: StatePool) -> torch.Tensor:
+        """h (n, d_model) one prompt piece whose slot and committed length L live on the device only
+        (a prefill graph's) -> (n, d_model): the piece is a chain tree (`batch.parents`), so the tree
+        attention is causal attention over the prefix and the piece; its K/V land at L .. L+n-1."""
+        return self._tree(h, batch, pool, stash=None, chains=True)
+
     def decode(self, h: torch.Tensor, batch: Packed, pool: StatePool) -> torch.Tensor:
         """h (B, d_model) -> (B, d_model); the token's K/V land at position L of its slot."""
         return self._tree(h, batch, pool, stash=None)
@@ -99,7 +106,7 @@ class Attention(nn.Module):
         slot's committed prefix (the committed prefix is untouched) and into the stash for commit."""
         return self._tree(h, batch, pool, stash)
 
-    def _tree(self, h, batch: Packed, pool: StatePool, stash) -> torch.Tensor:
+    def _tree(self, h, batch: Packed, pool: StatePool, stash, chains: bool = False) -> torch.Tensor:
         q, k, v = self._qkv(h, batch.positions)
         k_cache, v_cache = pool.kv_layer(self.layer)
         # a verify's K/V also go to its stash (what a commit writes back), from the same launch
@@ -107,6 +114,6 @@ class Attention(nn.Module):
         ops.write_tree_kv(k_cache, v_cache, k, v, batch.cu_seqlens, batch.slot_idx, batch.cache_lens, stash=kept)
         o = ops.tree_attention(
             q, k_cache, v_cache, batch.parents, batch.cu_seqlens, batch.slot_idx, batch.cache_lens,
-            batch.max_nodes, self.spec.softmax_scale,
+            batch.max_nodes, self.spec.softmax_scale, chains=chains,
         )
         return self._out(o)

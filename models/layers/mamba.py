@@ -80,28 +80,36 @@ class MambaMixer(nn.Module):
         """h (T, d_model) packed prompts -> (T, d_model); writes each slot's final conv and SSM state.
 
         The prefill kernels take one sequence each, so this loops over the prompts; everything
-        around the scan runs on the packed batch.
+        around the scan runs on the packed batch. Each prompt's slot and committed length are read
+        on the device (`batch.slot_idx`, `batch.cache_lens`), never from the host, so a graph of
+        this program serves any slot at any length (`prefill_chunk`). A fresh slot's states are
+        zeros (`StatePool.alloc`), which continue exactly like no state at all.
         """
         s = self.spec
         _, z, xbc, dt = self._project(h)
         ssm, conv = pool.ssm_layer(self.layer), pool.conv_layer(self.layer)
         ys = []
         start = 0
-        for n, slot, L in zip(batch.sizes, batch.slots, batch.lens):
+        for b, n in enumerate(batch.sizes):
             rows = slice(start, start + n)
             start += n
+            slot = batch.slot_idx[b : b + 1]  # (1,) on the device: indexing with it gathers, assigning scatters
             conv_out, conv_state = ops.conv1d_prefill(
-                xbc[rows], self.conv_weight, self.conv_bias, conv[slot] if L > 0 else None, L
+                xbc[rows], self.conv_weight, self.conv_bias, conv[slot][0], batch.cache_lens[b : b + 1]
             )
-            conv[slot] = conv_state
+            conv[slot] = conv_state[None]
             x, B, C = s.split_conv(conv_out)
             y, final = ops.ssd_prefill(
-                x, dt[rows], self.A, B, C, self.D, self.dt_bias, s.dt_limit,
-                initial_state=ssm[slot] if L > 0 else None,
+                x, dt[rows], self.A, B, C, self.D, self.dt_bias, s.dt_limit, initial_state=ssm[slot][0],
             )  # the kernel's own chunk size: the result does not depend on it
-            ssm[slot] = final
+            ssm[slot] = final[None]
             ys.append(y)
         return self._finish(torch.cat(ys, 0), z)
+
+    def prefill_chunk(self, h: torch.Tensor, batch: Packed, pool: StatePool) -> torch.Tensor:
+        """One prompt piece whose slot and committed length live on the device only (a prefill
+        graph's): the prefill, which reads nothing else from the host."""
+        return self.prefill(h, batch, pool)
 
     def decode(self, h: torch.Tensor, batch: Packed, pool: StatePool) -> torch.Tensor | RowScaled:
         """h (B, d_model), one token per sequence -> (B, d_model), or RowScaled((B, d_model), SumOfSquares)

@@ -35,6 +35,9 @@ class ParallelMixer(nn.Module):
     def prefill(self, h: torch.Tensor, batch: Packed, pool: StatePool) -> torch.Tensor:
         return self.mamba.prefill(h, batch, pool) + self.attention.prefill(h, batch, pool)
 
+    def prefill_chunk(self, h: torch.Tensor, batch: Packed, pool: StatePool) -> torch.Tensor:
+        return self.mamba.prefill_chunk(h, batch, pool) + self.attention.prefill_chunk(h, batch, pool)
+
     def decode(self, h: torch.Tensor, batch: Packed, pool: StatePool) -> torch.Tensor:
         return self.mamba.decode(h, batch, pool) + self.attention.decode(h, batch, pool)
 

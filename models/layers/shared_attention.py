@@ -53,6 +53,9 @@ class SharedTransformer(nn.Module):
     def prefill(self, h: torch.Tensor, emb: torch.Tensor, batch: Packed, pool: StatePool) -> torch.Tensor:
         return self._output(self.attention.prefill(self._input(h, emb), batch, pool))
 
+    def prefill_chunk(self, h: torch.Tensor, emb: torch.Tensor, batch: Packed, pool: StatePool) -> torch.Tensor:
+        return self._output(self.attention.prefill_chunk(self._input(h, emb), batch, pool))
+
     def decode(self, h: torch.Tensor, emb: torch.Tensor, batch: Packed, pool: StatePool) -> torch.Tensor:
         return self._output(self.attention.decode(self._input(h, emb), batch, pool))
 

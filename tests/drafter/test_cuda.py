@@ -56,6 +56,7 @@ def test_graphs_are_on_by_default_and_captured_at_load(pair):
     assert runner.stash.rows == max(NODE_BUCKETS)
     assert sorted(runner._chain) == list(NODE_BUCKETS)  # its starts and catch-ups
     assert sorted(runner._chain_commit) == [(1, n) for n in NODE_BUCKETS]
+    assert sorted(runner._chunk) == sorted(runner.prefill_chunks) and runner.prefill_chunks
 
 
 CASES = [("dynamic", GREEDY, True), ("dynamic", HOT, True), ("static", GREEDY, False), ("chain", HOT, False)]

@@ -49,9 +49,10 @@ def test_graph_mode_drafts_the_trees_eager_mode_drafts(models, prompt, arch, sha
     assert not runner.failures and runner._verify and runner.stash.rows == max(NODE_BUCKETS)
 
 
-def test_the_capture_at_load_takes_the_prompt_chains(tiny_pair):
+def test_the_capture_at_load_takes_the_prompt_pieces(tiny_pair):
     """What `use_graphs` captures for a drafter on CUDA (`_capture_buckets`, run here as the eager
-    programs) includes the chains its starts and catch-ups run as, and their commits: none is
+    programs) includes the pieces its starts and catch-ups run as (chunks, chains and the chains'
+    commits): none is
     captured on a request."""
     model = DraftModel.load(str(tiny_pair[1]), max_slots=2, max_len=256, cuda_graphs=False)
     model.use_graphs(capture=False)
@@ -60,6 +61,7 @@ def test_the_capture_at_load_takes_the_prompt_chains(tiny_pair):
     assert not runner.failures, runner.failures
     assert sorted(runner._chain) == list(runner.node_buckets)
     assert sorted(runner._chain_commit) == [(1, n) for n in runner.node_buckets]
+    assert sorted(runner._chunk) == sorted(runner.prefill_chunks) and runner.prefill_chunks
 
 
 @pytest.fixture

@@ -207,6 +207,20 @@ def test_tree_attention_256_nodes_and_decode_batch():
     torch.testing.assert_close(ta.tree_attention(*args).float(), ta.tree_attention_ref(*args).float(), **ATTN_TOL)
 
 
+def test_tree_attention_chains_model_size():
+    """Prompt pieces (`chains=True`: causal masks, no walk of `parents`): a 512-token piece after a
+    1000-token prefix and a 128-token one from an empty slot, against the reference and the oracle."""
+    c = _attn_case([(512, "chain"), (128, "chain")], [1000, 0], seed=11, Lmax=2048)
+    kc, vc = c["k_cache"], c["v_cache"]
+    ta.write_tree_kv(kc, vc, c["k"], c["v"], c["cu"], c["slots"], c["lens"])
+    args = (c["q"], kc, vc, c["parents"], c["cu"], c["slots"], c["lens"], c["max_nodes"], c["scale"])
+    got = ta.tree_attention(*args, chains=True)
+    torch.testing.assert_close(got.float(), ta.tree_attention_ref(*args).float(), **ATTN_TOL)
+    torch.testing.assert_close(got, ta.tree_attention(*args), atol=0, rtol=0)
+    for b, i in ((0, 0), (0, 300), (0, 511), (1, 0), (1, 127)):
+        torch.testing.assert_close(got[int(c["cu"][b]) + i].double(), _oracle(c, b, i), **ATTN_TOL)
+
+
 def test_kv_commit_then_decode_model_size():
     rng = random.Random(3)
     c = _attn_case([(64, "random"), (40, "deep"), (16, "chain")], [300, 2000, 64], seed=3, Lmax=2400)

@@ -6,8 +6,9 @@ Tolerances:
 - bf16: the max logit error against transformers fp32 (same weights) is at most
   3 x transformers' own bf16 error + 1% of the largest logit.
 - CUDA graphs vs eager (same dtype): within 1e-4 (fp32) / 2e-2 (bf16) of each other. With graphs
-  prompts run as chains (`GraphRunner.prefill_chain`), another scan than the packed prefill's,
-  which in bf16 rounds otherwise by more than that: there both models' prompts are packed.
+  prompts run in pieces (`GraphRunner.prefill`): their chains run another scan than the packed
+  prefill's, and every piece another attention, which in bf16 round otherwise by more than that:
+  there both models' prompts are packed.
 Skipped without CUDA.
 """
 from __future__ import annotations
@@ -171,17 +172,20 @@ def test_bf16_within_transformers_own_bf16_error(arch, tmp_path_factory):
     print(f"{arch}: worst error / bound = {worst:.2f}")
 
 
-@pytest.mark.parametrize("graphs", [False, None], ids=["packed", "chains"])
+@pytest.mark.parametrize("graphs", [False, None], ids=["packed", "pieces"])
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a != "mamba2"])  # the ones with attention
 def test_bf16_prefill_after_a_prefix_within_transformers_own_bf16_error(arch, graphs, tmp_path_factory):
     """Prompts continued after a prefix, by the packed prefill (the attention's causal mask is
     aligned to the last key, and in bf16 flash attention runs it:
-    `models.layers.attention.PREFILL_BACKENDS`) and, with graphs, as chains (`prefill_chain`)."""
+    `models.layers.attention.PREFILL_BACKENDS`) and, with graphs, in pieces (`GraphRunner.prefill`:
+    chunks of 8 and 32 tokens here, and chains)."""
     path, m32, m16 = models(arch, tmp_path_factory)
     lm = HybridLM.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_slots=1, max_len=128,
                                   cuda_graphs=graphs)
     if graphs is None and lm.graphs is None:
         pytest.skip("no CUDA graphs for this model (MoE): its prompts are always packed")
+    if graphs is None:
+        lm.use_graphs(prefill_chunks=(8, 32))  # 30 tokens: 8, 8, 8 and a chain; 17: 8, 8 and one; 40: 32, 8
     rng = random.Random(2)
     seq = random_prompt(rng, 30, VOCAB)
     slot = lm.pool.alloc()
@@ -195,7 +199,7 @@ def test_bf16_prefill_after_a_prefix_within_transformers_own_bf16_error(arch, gr
         theirs = (ref_logits(m16, seq)[-1] - r32).abs().max().item()
         assert ours <= 3 * theirs + 0.01 * r32.abs().max().item(), f"+{n}: ours {ours:.3g}, transformers bf16 {theirs:.3g}"
     if graphs is None:
-        assert lm.graphs._chain and not lm.graphs.failures, "the prompts did not run as chains"
+        assert lm.graphs._chain and lm.graphs._chunk and not lm.graphs.failures, "the prompts did not run in pieces"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -278,10 +282,11 @@ def test_cuda_graphs_match_eager(arch, dtype, tol, tmp_path_factory):
     graphed = HybridLM.from_pretrained(path, device="cuda", dtype=dtype, max_slots=3, max_len=128)
     assert graphed.graphs is not None and eager.graphs is None
     if dtype == torch.bfloat16:
-        # prompts as chains run another scan than the packed prefill, which rounds otherwise in bf16
-        # (by up to a few %: both are held to transformers' own bf16 error in the tests above); here
-        # graphs are held to the eager programs they replay. In fp32 the chains stay in.
-        graphed.graphs.chain_tokens = 0
+        # prompts in pieces run another scan (chains) and attention than the packed prefill, which
+        # round otherwise in bf16 (by up to a few %: both are held to transformers' own bf16 error in
+        # the tests above); here graphs are held to the eager programs they replay. In fp32 the
+        # pieces stay in.
+        graphed.graphs.prefill_tokens = 0
     a = list(scenario(eager, random.Random(3), steps=3))
     b = list(scenario(graphed, random.Random(3), steps=3))
     assert len(a) == len(b)

@@ -1,7 +1,7 @@
 """`HybridLM.warm_up` compiles every Triton program that a prefill of any length, a one-sequence
 decode and a one-sequence verify and commit of up to 16 steps launch: after it, prompts and
 continuations of other lengths at other positions, alone or packed together, and chains of other
-lengths verified and committed, compile nothing new; `results.warm_up` does the same for sampled
+lengths verified and committed, compile nothing new, with and without graphs; `results.warm_up` does the same for sampled
 requests; and a prompt's attention keeps off cuDNN (a plan built per prompt shape).
 
 Compiled programs are counted in each kernel's in-memory cache (`kernels.compiled`), which the
@@ -26,10 +26,14 @@ DEMO = pathlib.Path(__file__).resolve().parents[2] / "models" / "demo"
 
 
 @gpu
-@pytest.mark.parametrize("model", ["target", "drafter"])  # a hybrid with attention, a pure Mamba2
-def test_nothing_compiles_after_warm_up(model):
+# a hybrid with attention and a pure Mamba2, eager; and the hybrid with graphs, whose prompts run in
+# pieces (prefill chunks and chains, captured by the warm-up)
+@pytest.mark.parametrize("model,graphs", [("target", False), ("drafter", False), ("target", None)],
+                         ids=["target", "drafter", "target-graphs"])
+def test_nothing_compiles_after_warm_up(model, graphs):
     lm = HybridLM.from_pretrained(DEMO / model, device="cuda", dtype=torch.bfloat16, max_slots=4, max_len=2048,
-                                  cuda_graphs=False)
+                                  cuda_graphs=graphs)
+    assert (lm.graphs is not None) == (graphs is None)
     fns = jit_functions()
     forget(fns)
     lm.warm_up()

@@ -212,6 +212,23 @@ def test_conv1d_prefill(dtype, L, start):
     assert torch.equal(new_state, want_state)
 
 
+@pytest.mark.parametrize("start", [0, 1, 6, 7])
+@pytest.mark.parametrize("L", [1, 3, 18])
+def test_conv1d_prefill_reads_its_start_on_the_device(start, L):
+    """`start` as a one-element tensor (what a prefill graph passes: the slot's committed length,
+    read at replay) gives what the int gives, in both twins."""
+    gen = torch.Generator().manual_seed(start * 7 + L)
+    D, W = 19, 4
+    xbc, weight, bias, ring = (torch.randn(*shape, generator=gen) for shape in ((L, D), (D, W), (D,), (D, W)))
+    on_device = torch.tensor([start], dtype=torch.int32)
+    for prefill in (ct.conv1d_prefill, ct.conv1d_prefill_ref):
+        want_out, want_ring = prefill(xbc, weight, bias, ring, start)
+        out, new_ring = prefill(xbc, weight, bias, ring, on_device)
+        assert torch.equal(out, want_out) and torch.equal(new_ring, want_ring)
+    with pytest.raises(ValueError, match="one integer"):
+        ct.conv1d_prefill(xbc, weight, bias, ring, torch.tensor([start, start]))
+
+
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_commit_then_decode_equals_sequential(impl):
     """Verify a tree, commit one branch, decode the bonus token: same outputs and state as feeding the

@@ -105,6 +105,21 @@ def test_large_trees_every_kind(kind):
         torch.testing.assert_close(got[i].double(), case.oracle(0, i), atol=4e-5, rtol=4e-5)
 
 
+@pytest.mark.parametrize("sizes,lens", [((1,), (0,)), ((40, 3, 17), (21, 0, 5)), ((70,), (33,))])
+def test_chains_mask_causally_without_the_walk(sizes, lens):
+    """`chains=True` (prompt pieces): the same outputs as the walk of `parents` over chain trees,
+    across query tiles and tree key blocks, with and without a prefix."""
+    case = Case([(n, "chain") for n in sizes], 8, 2, 32, list(lens), torch.float32, seed=sum(sizes))
+    walked, _, _ = _attend(case, "triton", block_kv=16)
+    chained, _, _ = _attend(case, "triton", block_kv=16, chains=True)
+    ref, _, _ = _attend(case, "reference", chains=True)
+    assert not torch.isnan(chained).any()
+    torch.testing.assert_close(chained, walked, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(chained, ref, atol=2e-5, rtol=2e-5)
+    last = len(case.lists[0]) - 1
+    torch.testing.assert_close(chained[last].double(), case.oracle(0, last), atol=4e-5, rtol=4e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_write_tree_kv_bit_identical(dtype):
     case = Case(MIXED, 4, 2, 32, [0, 3, 9, 1, 2, 30], dtype, seed=7, S=9)

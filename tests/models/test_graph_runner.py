@@ -80,28 +80,41 @@ def test_shared_stash_survives_a_second_verify(saved):
         assert (out[b] - ref).abs().max() < 1e-4
 
 
+def _record_pieces(runner) -> list:
+    """Record (kind, tokens) of every piece `runner` runs a prompt as."""
+    pieces = []
+    for kind in ("chunk", "chain"):
+        run = getattr(runner, f"_run_{kind}")
+        setattr(runner, f"_run_{kind}",
+                lambda g, slot, tokens, kind=kind, run=run: pieces.append((kind, len(tokens))) or run(g, slot, tokens))
+    return pieces
+
+
 @pytest.mark.parametrize("arch", ["mamba2", "nemotron_h", "bamba", "falcon_h1", "zamba2"])
-def test_short_prompts_prefill_as_chains_like_the_packed_prefill(saved, arch):
-    """With graphs, prompts of up to `chain_tokens` tokens in all run as chains of at most the
-    largest node bucket, each a verify and the commit of its whole path: they give the packed
-    prefill's logits at each prompt's last token and leave its states and lengths, from an empty
-    slot and after a history, alone and several together. Longer ones are prefilled packed."""
+def test_prompts_prefill_through_graphs_like_the_packed_prefill(saved, arch):
+    """With graphs, prompts of up to `prefill_tokens` tokens in all run in pieces: prefill chunks,
+    largest first while they fit, then chains of at most the largest node bucket, each a verify and
+    the commit of its whole path. They give the packed prefill's logits at each prompt's last
+    token and leave its states and lengths, from an empty slot and after a history, alone and
+    several together, whichever kind of piece comes last. Longer ones are prefilled packed."""
     path, model = saved(arch)
-    plain, bucketed = _pair(path)  # node buckets 1, 4, 8
-    bucketed.graphs.chain_tokens = 24
-    chained, run = [], bucketed.graphs.prefill_chain
-    bucketed.graphs.prefill_chain = lambda slot, tokens: chained.append(len(tokens)) or run(slot, tokens)
+    plain, bucketed = _pair(path)
+    bucketed.graphs = GraphRunner(bucketed, node_buckets=(1, 4, 8), capture=False, prefill_chunks=(5, 12),
+                                  prefill_tokens=24)
+    pieces = _record_pieces(bucketed.graphs)
     rng = random.Random(3)
     for lm in (plain, bucketed):
         assert [lm.pool.alloc() for _ in range(3)] == [0, 1, 2]
     seqs = [[], [], []]
-    for slots, lengths in (([0], [13]), ([0, 1], [3, 9]), ([2], [25]), ([1], [1]), ([0, 2], [8, 4])):
+    for slots, lengths in (([0], [13]), ([0, 1], [3, 9]), ([2], [25]), ([1], [1]), ([0, 2], [8, 4]), ([1], [22])):
         prompts = [random_prompt(rng, n) for n in lengths]
         ours, theirs = bucketed.prefill(slots, prompts), plain.prefill(slots, prompts)
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
         for s, p in zip(slots, prompts):
             seqs[s] += p
-    assert chained == [13, 3, 9, 1, 8, 4], "the 25-token prompt should have been prefilled packed"
+    assert pieces == [("chunk", 12), ("chain", 1), ("chain", 3), ("chunk", 5), ("chain", 4), ("chain", 1),
+                      ("chunk", 5), ("chain", 3), ("chain", 4), ("chunk", 12), ("chunk", 5), ("chunk", 5)], \
+        "the 25-token prompt should have been prefilled packed"
     assert [bucketed.pool.length(s) for s in range(3)] == [len(q) for q in seqs]
     for name, t in _state(plain.pool).items():
         ours = getattr(bucketed.pool, name)
@@ -109,8 +122,18 @@ def test_short_prompts_prefill_as_chains_like_the_packed_prefill(saved, arch):
             # K/V rows past a slot's length are free rows, where a verify leaves its padding
             real = (slice(s, s + 1), slice(0, len(seqs[s]))) if name in ("k", "v") else s
             torch.testing.assert_close(ours[real], t[real], rtol=1e-5, atol=1e-5, msg=f"{name} of slot {s}")
-    out = bucketed.decode([0], [5])
+    out = bucketed.decode([0, 1], [5, 6])
     assert (out[0] - hf_logits(model, seqs[0] + [5])[-1]).abs().max() < 1e-4
+    assert (out[1] - hf_logits(model, seqs[1] + [6])[-1]).abs().max() < 1e-4
+
+
+def test_prefill_chunks_too_long_for_the_pool_are_left_out(saved):
+    """A chunk longer than a sequence may be is never captured: no prompt could use it."""
+    path, _ = saved("mamba2")
+    lm = HybridLM.from_pretrained(path, max_slots=2, max_len=20)
+    runner = GraphRunner(lm, node_buckets=(1, 4, 8), capture=False, prefill_chunks=(8, 16, 32))
+    assert runner.prefill_chunks == (16, 8)
+    assert [(p.kind, p.n) for p in runner._pieces(19)] == [("chunk", 16), ("chain", 3)]
 
 
 def test_a_prompt_between_a_verify_and_its_commit_leaves_the_verify_alone(saved):
@@ -134,25 +157,31 @@ def test_a_prompt_between_a_verify_and_its_commit_leaves_the_verify_alone(saved)
     torch.testing.assert_close(after[1], after[0], rtol=1e-5, atol=1e-5)
 
 
-def test_a_prompt_whose_chain_graph_fails_is_prefilled_packed(saved, monkeypatch):
-    """A chain graph that cannot be captured leaves the whole prompt to the packed prefill, with
-    nothing committed twice; chains that have a graph still run as chains."""
+@pytest.mark.parametrize("failing", ["chain 4", "prefill 6"])
+def test_a_prompt_with_a_piece_whose_graph_fails_is_prefilled_packed(saved, monkeypatch, failing):
+    """A chain or chunk graph that cannot be captured leaves every prompt that needs it to the
+    packed prefill whole, with nothing committed twice; prompts whose pieces have graphs still run
+    through them."""
     path, _ = saved("bamba")
     plain, bucketed = _pair(path)
-    runner = bucketed.graphs
-    chained, run = [], runner.prefill_chain
-    runner.prefill_chain = lambda slot, tokens: chained.append(len(tokens)) or run(slot, tokens)
+    runner = bucketed.graphs = GraphRunner(bucketed, node_buckets=(1, 4, 8), capture=False, prefill_chunks=(6,))
+    pieces = _record_pieces(runner)
     try_capture = runner._try_capture
     monkeypatch.setattr(runner, "_try_capture",
-                        lambda meta, program, what: None if what == "chain 8" else try_capture(meta, program, what))
+                        lambda meta, program, what: None if what == failing else try_capture(meta, program, what))
     rng = random.Random(4)
     for lm in (plain, bucketed):
         lm.pool.alloc()
-    for n in (3, 11, 2):  # 11 tokens are a chain of 8 and one of 3: the 8 has no graph
+    # 13 tokens: chunks of 6 and 6, then a chain of 1; 3 and 2 tokens: a chain in the node bucket
+    # of 4; 21 tokens: three chunks, then a chain of 3 (bucket 4)
+    for n in (13, 3, 2, 21):
         prompt = random_prompt(rng, n)
         torch.testing.assert_close(bucketed.prefill([0], [prompt]), plain.prefill([0], [prompt]), rtol=1e-5, atol=1e-5)
-    assert bucketed.pool.length(0) == 16
-    assert chained == [3, 2] and runner._chain[8] is None
+    assert bucketed.pool.length(0) == 39
+    if failing == "chain 4":
+        assert pieces == [("chunk", 6), ("chunk", 6), ("chain", 1)] and runner._chain[4] is None
+    else:
+        assert pieces == [("chain", 3), ("chain", 2)] and runner._chunk[6] is None
 
 
 def _state(pool) -> dict:

@@ -30,8 +30,8 @@ PASS_THROUGH = {
     "drafter": ("bench.drafter", "drafter: draft time per tree vs budget, draft-ahead in a greedy loop"),
     "first-use": ("bench.first_use", "what a prompt, a catch-up and a decode cost at first use and after, and what "
                                      "each compiles"),
-    "prefill": ("bench.prefill", "prefill latency against prompt length: the packed prefill and prompts as chains "
-                                 "through the graphs"),
+    "prefill": ("bench.prefill", "prefill latency against prompt length: the packed prefill, prompts as chains "
+                                 "through the graphs, and in pieces (chunks, then chains)"),
 }
 
 

@@ -13,8 +13,9 @@ Without `--no-warm-up` the model runs `HybridLM.warm_up` first (as the verifier 
 start-up) and its time and programs are reported; every later call should then compile nothing.
 Reported per call: host-measured ms (device synchronised) and the kernels that compiled a program
 during it. The model runs as a verifier runs it: decode through CUDA graphs (its first call
-captures the one-sequence graph), prompts of up to 512 tokens as chains through the graphs (which
-the warm-up captures), longer ones eagerly. A drafter builds its graphs otherwise
+captures the one-sequence graph), prompts of up to `models.graphs.PREFILL_GRAPH_TOKENS` tokens in
+pieces through the graphs (prefill chunks and chains, which the warm-up captures), longer ones
+eagerly. A drafter builds its graphs otherwise
 (`DraftModel.load`), so `--model` with a drafter's checkpoint times it as a target.
 """
 from __future__ import annotations

@@ -3,7 +3,8 @@ directory or a benchmark shape with random bf16 weights (`bench.model_runtime`'s
 - packed: the eager prefill over the prompt;
 - chains: through the CUDA graphs as chains only (verify and commit replays), as the thirty-first
   round's code ran prompts of up to 512 tokens;
-- pieces: what `HybridLM.prefill` runs with graphs (`GraphRunner.prefill`): prefill chunks of
+- pieces: what `HybridLM.prefill` runs with graphs (`GraphRunner.prefill`) for prompts of up to
+  `models.graphs.PREFILL_GRAPH_TOKENS` tokens (timed here past that too): prefill chunks of
   `models.graphs.PREFILL_CHUNKS` tokens while they fit, then chains.
 
     python -m bench.prefill --shape mamba2-2.7b --out prefill_mamba2.json
@@ -75,7 +76,7 @@ def prefill_as(lm, way: str):
     chunks = lm.graphs.prefill_chunks
 
     def run(slot: int, prompt: list[int]) -> torch.Tensor:
-        lm.graphs.prefill_tokens = 0 if way == "packed" else None
+        lm.graphs.prefill_tokens = 0 if way == "packed" else len(prompt)  # past the default cap too
         lm.graphs.prefill_chunks = () if way == "chains" else chunks
         try:
             return lm.prefill([slot], [prompt])

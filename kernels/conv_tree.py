@@ -144,6 +144,8 @@ def conv1d_prefill_ref(xbc, weight, bias, conv_state=None, start=0):
     state_dtype = conv_state.dtype if conv_state is not None else xbc.dtype
     if conv_state is None:
         conv_state = torch.zeros(D, W, dtype=xbc.dtype, device=xbc.device)
+    if L == 0:
+        return xbc.clone(), conv_state.to(state_dtype).clone()
     lens = torch.as_tensor(start, device=xbc.device).reshape(1).long()
     window = conv_window(conv_state[None], lens)[0]
     seq = torch.cat([window.float(), xbc.float().t()], dim=1)  # (D, W-1+L)
@@ -152,7 +154,7 @@ def conv1d_prefill_ref(xbc, weight, bias, conv_state=None, start=0):
     first = lens + L - W
     pos = first + (torch.arange(W, device=xbc.device) - first) % W  # (W,)
     from_x = pos >= lens
-    taken = xbc[(pos - lens).clamp(0, max(L - 1, 0))].t().to(state_dtype) if L else conv_state.to(state_dtype)
+    taken = xbc[(pos - lens).clamp(0, L - 1)].t().to(state_dtype)
     ring = torch.where(from_x[None, :], taken, conv_state.to(state_dtype))
     return F.silu(out[0].t()).to(xbc.dtype), ring
 

@@ -80,6 +80,11 @@ PREPARED_PATH = 16
 # the same chain; the rest of a prompt (shorter than all of them) runs as chains of at most the
 # largest node bucket, a verify replay and a commit replay each.
 PREFILL_CHUNKS = (128, 256, 512)
+# Prompts longer than this are prefilled eagerly, packed together: there the eager prefill's device
+# work hides its host time, and its attention reads the prefix once for the whole prompt where the
+# chunks' tree attention reads it once per 16 queries. At 2048 tokens the pieces took 0.76 of the
+# eager prefill's time at the 2.7B shape and 1.00 at the 8B (BENCHMARKS.md, thirty-second round).
+PREFILL_GRAPH_TOKENS = 2048
 
 
 class _Piece(NamedTuple):
@@ -153,7 +158,7 @@ class GraphRunner:
     """
 
     def __init__(self, lm, node_buckets=NODE_BUCKETS, capture: bool = True, max_rows: int = 1024,
-                 prefill_chunks: Sequence[int] = PREFILL_CHUNKS, prefill_tokens: int | None = None):
+                 prefill_chunks: Sequence[int] = PREFILL_CHUNKS, prefill_tokens: int = PREFILL_GRAPH_TOKENS):
         self.lm = lm
         self.capture = capture
         self.max_rows = max_rows
@@ -168,11 +173,13 @@ class GraphRunner:
         rows = min(max_rows, max(self.batch_buckets) * max(self.node_buckets))
         self.stash = VerifyStash(pool, rows, lm.dtype)
         self._handed_out = None  # weakref to the last stash view given to pending handles
-        # prompts (`prefill`): those of at most `prefill_tokens` tokens in all (None: any), as pieces
-        # of the prefill chunks that fit the pool, then chains (graphs per node bucket, commits per
-        # path bucket over a stash of their own)
+        # prompts (`prefill`): those of at most `prefill_tokens` tokens each (0: none), as pieces of
+        # the prefill chunks that fit, then chains (graphs per node bucket, commits per path bucket
+        # over a stash of their own)
+        if any(int(c) < 1 for c in prefill_chunks):
+            raise ValueError(f"prefill chunks must be positive token counts, got {list(prefill_chunks)}")
         self.prefill_tokens = prefill_tokens
-        self.prefill_chunks = tuple(sorted((c for c in prefill_chunks if c <= pool.max_len), reverse=True))
+        self.prefill_chunks = tuple(sorted({int(c) for c in prefill_chunks if c <= pool.max_len}, reverse=True))
         self._chunk: dict[int, _Graph] = {}
         self.chain_stash = VerifyStash(pool, max(self.node_buckets), lm.dtype)
         self._chain: dict[int, _Graph] = {}
@@ -190,13 +197,13 @@ class GraphRunner:
             return False
         return self._verify.get((Bb, Nb), True) is not None
 
-    def takes_prefill(self, sizes: list[int]) -> bool:
-        """Whether prompts of these lengths prefill through graphs (`prefill`): at most
-        `prefill_tokens` tokens in all and a graph for every piece they split into (one not tried
-        yet is captured now, so that no prompt is left half done by a failed capture)."""
-        if not sizes or (self.prefill_tokens is not None and sum(sizes) > self.prefill_tokens):
+    def takes_prefill(self, n: int) -> bool:
+        """Whether a prompt of n tokens prefills through graphs (`prefill`): at most
+        `prefill_tokens` tokens and a graph for every piece it splits into (one not tried yet is
+        captured now, so that no prompt is left half done by a failed capture)."""
+        if n > self.prefill_tokens:
             return False
-        kinds = {(p.kind, p.size) for n in sizes for p in self._pieces(n)}
+        kinds = {(p.kind, p.size) for p in self._pieces(n)}
         return all(self._piece_graph(kind, size) is not None for kind, size in sorted(kinds))
 
     def _pieces(self, n: int) -> list[_Piece]:
@@ -335,7 +342,8 @@ class GraphRunner:
         if self.prefill_tokens == 0:
             return
         for c in self.prefill_chunks:
-            self._chunk_graph(c)
+            if c <= self.prefill_tokens:
+                self._chunk_graph(c)
         for Nb in self.node_buckets:
             if self._chain_graph(Nb) is not None and (1, Nb) not in self._chain_commit:
                 self._capture_commit(self.chain_stash, self._chain_commit, 1, Nb, "chain commit")

@@ -363,9 +363,10 @@ class HybridLM(nn.Module):
     @torch.no_grad()
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Consume every prompt token (after whatever each slot already holds) -> (B, V) fp32 logits
-        at each prompt's last position. With graphs, each prompt runs through them in pieces
-        (`GraphRunner.prefill`); without, or where a piece has no graph, all prompts run in one
-        eager forward, packed."""
+        at each prompt's last position. With graphs, each prompt of up to
+        `GraphRunner.prefill_tokens` tokens runs through them in pieces (`GraphRunner.prefill`);
+        the rest (all of them without graphs, and a prompt with a piece whose graph failed to
+        capture) run in one eager forward, packed."""
         slots = self._check(slots, len(prompts), "prefill")
         if not slots:
             return self._empty_logits()
@@ -375,9 +376,17 @@ class HybridLM(nn.Module):
                 raise ValueError(f"prefill: empty prompt for slot {s}")
             self._check_tokens(p, "prefill")
             self.pool.check_room(s, len(p), "prefill")
-        if self.graphs is not None and self.graphs.takes_prefill([len(p) for p in prompts]):
-            return torch.cat([self.graphs.prefill(s, p) for s, p in zip(slots, prompts)])
-        return self._prefill_packed(slots, prompts)
+        graphed = [self.graphs is not None and self.graphs.takes_prefill(len(p)) for p in prompts]
+        out = [None] * len(prompts)
+        eager = [i for i, g in enumerate(graphed) if not g]
+        if eager:
+            logits = self._prefill_packed([slots[i] for i in eager], [prompts[i] for i in eager])
+            for row, i in enumerate(eager):
+                out[i] = logits[row : row + 1]
+        for i, g in enumerate(graphed):
+            if g:
+                out[i] = self.graphs.prefill(slots[i], prompts[i])
+        return torch.cat(out)
 
     @torch.no_grad()
     def _prefill_packed(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:

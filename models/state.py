@@ -79,9 +79,10 @@ class StatePool:
         self._lengths[slot] = 0
         self._bump(slot)
         if self.n_mamba:
-            # a reused slot still holds its last sequence's states; a prefill from length 0 never
-            # reads them, but a decode or verify of an empty sequence does (K/V are read only up
-            # to the slot's length, so they need nothing)
+            # a reused slot still holds its last sequence's states, and every mode reads them from
+            # length 0 on: a prefill continues them (zeros continue exactly like no state), as do a
+            # decode or verify of an empty sequence (K/V are read only up to the slot's length, so
+            # they need nothing)
             self.ssm[slot].zero_()
             self.conv[slot].zero_()
         return slot

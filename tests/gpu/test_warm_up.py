@@ -60,7 +60,7 @@ def test_nothing_compiles_after_warm_up(model, graphs):
         lm.commit([(res.pending[0], list(range(k)))])
     lm.pool.free(slot)
     slots = [lm.pool.alloc() for _ in range(3)]
-    lm.prefill(slots, [tokens(5), tokens(19), tokens(40)])  # several prompts packed in one prefill
+    lm.prefill(slots, [tokens(5), tokens(19), tokens(40)])  # several prompts in one prefill (packed, or pieces)
     torch.cuda.synchronize()
     new = sorted(compiled(fns) - warm)
     assert not new, "compiled after the warm-up:\n" + "\n".join(f"{name}: {key[:300]}" for name, key in new)

@@ -92,7 +92,7 @@ def _record_pieces(runner) -> list:
 
 @pytest.mark.parametrize("arch", ["mamba2", "nemotron_h", "bamba", "falcon_h1", "zamba2"])
 def test_prompts_prefill_through_graphs_like_the_packed_prefill(saved, arch):
-    """With graphs, prompts of up to `prefill_tokens` tokens in all run in pieces: prefill chunks,
+    """With graphs, prompts of up to `prefill_tokens` tokens each run in pieces: prefill chunks,
     largest first while they fit, then chains of at most the largest node bucket, each a verify and
     the commit of its whole path. They give the packed prefill's logits at each prompt's last
     token and leave its states and lengths, from an empty slot and after a history, alone and
@@ -106,7 +106,8 @@ def test_prompts_prefill_through_graphs_like_the_packed_prefill(saved, arch):
     for lm in (plain, bucketed):
         assert [lm.pool.alloc() for _ in range(3)] == [0, 1, 2]
     seqs = [[], [], []]
-    for slots, lengths in (([0], [13]), ([0, 1], [3, 9]), ([2], [25]), ([1], [1]), ([0, 2], [8, 4]), ([1], [22])):
+    # the third call mixes a prompt past the cap (prefilled packed) with one under it (in pieces)
+    for slots, lengths in (([0], [13]), ([0, 1], [3, 9]), ([2, 1], [25, 1]), ([0, 2], [8, 4]), ([1], [22])):
         prompts = [random_prompt(rng, n) for n in lengths]
         ours, theirs = bucketed.prefill(slots, prompts), plain.prefill(slots, prompts)
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
@@ -114,7 +115,7 @@ def test_prompts_prefill_through_graphs_like_the_packed_prefill(saved, arch):
             seqs[s] += p
     assert pieces == [("chunk", 12), ("chain", 1), ("chain", 3), ("chunk", 5), ("chain", 4), ("chain", 1),
                       ("chunk", 5), ("chain", 3), ("chain", 4), ("chunk", 12), ("chunk", 5), ("chunk", 5)], \
-        "the 25-token prompt should have been prefilled packed"
+        "the 25-token prompt should have been prefilled packed, beside the 1-token one's chain"
     assert [bucketed.pool.length(s) for s in range(3)] == [len(q) for q in seqs]
     for name, t in _state(plain.pool).items():
         ours = getattr(bucketed.pool, name)

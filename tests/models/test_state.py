@@ -61,8 +61,8 @@ def test_the_warm_up_gives_back_every_slot_it_takes(saved, arch, free):
 
 @pytest.mark.parametrize("arch", ["mamba2", "nemotron_h"])
 def test_a_reused_slot_starts_empty(saved, arch):
-    """Decode and verify from length 0 on a slot that held another sequence give what they give on
-    a slot never used: the old sequence's SSM and conv states are gone."""
+    """Decode, verify and prefill from length 0 on a slot that held another sequence give what they
+    give on a slot never used: the old sequence's SSM and conv states are gone."""
     lm = HybridLM.from_pretrained(saved(arch)[0], max_slots=2, max_len=32)
     fresh = lm.pool.alloc()
     want_decode = lm.decode([fresh], [5])[0]
@@ -82,6 +82,12 @@ def test_a_reused_slot_starts_empty(saved, arch):
     b = lm.pool.alloc()
     assert b == a
     torch.testing.assert_close(lm.verify([b], [tree]).logits, want_verify, rtol=0, atol=1e-5)
+    prompt = random_prompt(random.Random(6), 7)
+    want_prefill = lm.prefill([b], [prompt])[0]
+    lm.pool.free(b)
+    c = lm.pool.alloc()
+    assert c == b
+    torch.testing.assert_close(lm.prefill([c], [prompt])[0], want_prefill, rtol=0, atol=1e-5)
 
 
 def test_too_long_is_refused_before_any_work(saved):

@@ -46,3 +46,33 @@ def test_all_modes_on_triton_kernels(saved, monkeypatch, arch):
     lm.commit([(res.pending[b], p) for b, p in enumerate(paths)])
     seqs = [s + t.tokens_along(p) + [7] for s, t, p in zip(seqs, trees, paths)]
     check(lm.decode(slots, [7, 7]), "decode after commit")
+
+
+@pytest.mark.parametrize("arch", ["nemotron_h", "zamba2"])
+def test_prompts_in_pieces_on_triton_kernels(saved, monkeypatch, arch):
+    """Prompts through the graphs' programs (run eagerly here) on the Triton kernels: prefill chunks
+    (the slot and start read on the device, the tree attention's chain mask) and chains, in two
+    slots at different lengths, one of them reused, against transformers."""
+    from models.graphs import GraphRunner
+
+    interpret_compat.install()
+    path, model = saved(arch)
+    lm = HybridLM.from_pretrained(path, max_slots=2, max_len=40)
+    lm.graphs = GraphRunner(lm, node_buckets=(1, 4, 8), capture=False, prefill_chunks=(5, 12))
+    monkeypatch.setenv("TREESERVE_KERNELS", "triton")
+    rng = random.Random(11)
+    used = lm.pool.alloc()
+    lm.prefill([used], [random_prompt(rng, 9)])  # then given back: its states must not leak
+    lm.pool.free(used)
+    slots = [lm.pool.alloc(), lm.pool.alloc()]
+    seqs = [[], []]
+    for lengths in ((14, 5), (3, 13)):  # chunks of 12 and 5 with chains after them, and chains alone
+        prompts = [random_prompt(rng, n) for n in lengths]
+        out = lm.prefill(slots, prompts)
+        seqs = [s + p for s, p in zip(seqs, prompts)]
+        for b in range(2):
+            err = (out[b] - hf_logits(model, seqs[b])[-1]).abs().max().item()
+            assert err < 1e-4, f"prompt {lengths[b]} in slot {slots[b]}: {err:.3g}"
+    out = lm.decode(slots, [3, 4])
+    for b, t in enumerate((3, 4)):
+        assert (out[b] - hf_logits(model, seqs[b] + [t])[-1]).abs().max().item() < 1e-4

@@ -139,7 +139,7 @@ class DraftModel:
         whether top-k and top-p apply, not their values; at most `MAX_GROWTHS` shapes), under
         `models.graphs.CAPTURE_LOCK`, which every device step of this model and of its callers'
         pickers holds (`exclusive`), so no drafter work runs beside a capture."""
-        from models.graphs import NODE_BUCKETS
+        from models.buckets import NODE_BUCKETS
 
         with self._call():
             self._growths.clear()  # their steps write the stash of the runner they were built for
@@ -286,7 +286,7 @@ class DraftModel:
             return draft, Verified(forwarded, pending)
 
     def _node_bucket(self, budget: int) -> int | None:
-        from models.graphs import tree_buckets
+        from models.buckets import tree_buckets
 
         fits = [n for n in tree_buckets(self.lm.pool) if budget <= n]
         return min(fits) if fits else None

@@ -40,6 +40,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from models.batch import Packed
+from models.buckets import NODE_BUCKETS, batch_buckets, bucket, tree_buckets
 from models.verify import Pending, VerifyStash, commit_meta, run_commit
 
 # Held while a graph is captured. Work another thread of this process launches on the device during a
@@ -67,7 +68,6 @@ def _no_collection():
             gc.enable()
 
 
-NODE_BUCKETS = (1, 4, 8, 16, 32, 64, 128)
 # Path-length buckets up to this are captured for commits at start-up (`capture_commits`): an
 # accepted path is a tree's depth plus one, rarely past 16. Up to 16 steps the SSM commit kernel
 # unrolls its path (kernels/ssm_commit.UNROLLED_STEPS); unrolled, its compile grew to 6 s at 32
@@ -95,27 +95,6 @@ class _Piece(NamedTuple):
     n: int
     kind: str
     size: int
-
-
-def tree_buckets(pool, node_buckets=NODE_BUCKETS) -> tuple[int, ...]:
-    """The node buckets whose padded trees fit after a full sequence (the pool's tree headroom)."""
-    return tuple(n for n in node_buckets if n <= pool.capacity - pool.max_len)
-
-
-def _batch_buckets(max_slots: int) -> list[int]:
-    out, b = [], 1
-    while b < max_slots:
-        out.append(b)
-        b *= 2
-    out.append(max_slots)
-    return out
-
-
-def _bucket(n: int, buckets) -> int | None:
-    for b in buckets:
-        if n <= b:
-            return b
-    return None
 
 
 class _Graph:
@@ -164,7 +143,7 @@ class GraphRunner:
         self.max_rows = max_rows
         self.failures: list[str] = []
         pool = lm.pool
-        self.batch_buckets = _batch_buckets(pool.max_slots)
+        self.batch_buckets = batch_buckets(pool.max_slots)
         self.node_buckets = tree_buckets(pool, node_buckets)
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._decode: dict[int, _Graph] = {}
@@ -187,12 +166,12 @@ class GraphRunner:
 
     # ---- which steps fit ------------------------------------------------------------------------
     def can_decode(self, batch: int) -> bool:
-        Bb = _bucket(batch, self.batch_buckets)
+        Bb = bucket(batch, self.batch_buckets)
         return Bb is not None and self._decode.get(Bb, True) is not None
 
     def can_verify(self, sizes: list[int]) -> bool:
-        Bb = _bucket(len(sizes), self.batch_buckets)
-        Nb = _bucket(max(sizes), self.node_buckets)
+        Bb = bucket(len(sizes), self.batch_buckets)
+        Nb = bucket(max(sizes), self.node_buckets)
         if Bb is None or Nb is None or Bb * Nb > self.stash.rows:
             return False
         return self._verify.get((Bb, Nb), True) is not None
@@ -217,7 +196,7 @@ class GraphRunner:
         top = max(self.node_buckets)
         for first in range(start, n, top):
             k = min(top, n - first)
-            out.append(_Piece(first, k, "chain", _bucket(k, self.node_buckets)))
+            out.append(_Piece(first, k, "chain", bucket(k, self.node_buckets)))
         return out
 
     def _piece_graph(self, kind: str, size: int):
@@ -226,7 +205,7 @@ class GraphRunner:
     # ---- steps --------------------------------------------------------------------------------
     def decode(self, slots: list[int], lens: list[int], tokens: list[int]) -> torch.Tensor | None:
         """(B, V) fp32 logits, or None when this bucket has no graph (the caller runs eagerly)."""
-        Bb = _bucket(len(slots), self.batch_buckets)
+        Bb = bucket(len(slots), self.batch_buckets)
         g = self._decode[Bb] if Bb in self._decode else self._capture_decode(Bb)
         if g is None:
             return None
@@ -242,8 +221,8 @@ class GraphRunner:
         row of each tree), or None when this bucket has no graph (the caller runs eagerly). The
         hidden states may alias the graph's output buffer: use them before the next replay."""
         B = len(slots)
-        Bb = _bucket(B, self.batch_buckets)
-        Nb = _bucket(max(len(t.tokens) for t in trees), self.node_buckets)
+        Bb = bucket(B, self.batch_buckets)
+        Nb = bucket(max(len(t.tokens) for t in trees), self.node_buckets)
         g = self._verify[(Bb, Nb)] if (Bb, Nb) in self._verify else self._capture_verify(Bb, Nb)
         if g is None:
             return None
@@ -307,13 +286,13 @@ class GraphRunner:
         not fit a graph: a handle whose stash no longer aliases the shared one (or the chain
         stash), sizes past the buckets, a failed capture. The caller then commits eagerly."""
         if _all_alias(items, self.stash):
-            stash, graphs, batch_buckets, what = self.stash, self._commit, self.batch_buckets, "commit"
+            stash, graphs, batches, what = self.stash, self._commit, self.batch_buckets, "commit"
         elif _all_alias(items, self.chain_stash):
-            stash, graphs, batch_buckets, what = self.chain_stash, self._chain_commit, (1,), "chain commit"
+            stash, graphs, batches, what = self.chain_stash, self._chain_commit, (1,), "chain commit"
         else:
             return False
-        Bb = _bucket(len(items), batch_buckets)
-        Kb = _bucket(max(len(p) for p in paths), self.node_buckets)
+        Bb = bucket(len(items), batches)
+        Kb = bucket(max(len(p) for p in paths), self.node_buckets)
         if Bb is None or Kb is None:
             return False
         g = graphs[(Bb, Kb)] if (Bb, Kb) in graphs else self._capture_commit(stash, graphs, Bb, Kb, what)
@@ -348,11 +327,11 @@ class GraphRunner:
             if self._chain_graph(Nb) is not None and (1, Nb) not in self._chain_commit:
                 self._capture_commit(self.chain_stash, self._chain_commit, 1, Nb, "chain commit")
 
-    def capture_commits(self, batch_buckets: Sequence[int]) -> None:
+    def capture_commits(self, batches: Sequence[int]) -> None:
         """Capture the commits of these batch buckets now, at each path-length bucket up to
         `PREPARED_PATH`: a first commit of each would otherwise pay its capture and its kernel
         compile mid-request. Longer paths keep capturing on first use."""
-        for Bb in batch_buckets:
+        for Bb in batches:
             for Kb in self.node_buckets:
                 if Kb <= PREPARED_PATH and (Bb, Kb) not in self._commit and Bb * Kb <= self.stash.rows:
                     self._capture_commit(self.stash, self._commit, Bb, Kb, "commit")

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from kernels import ops
+from models.buckets import NODE_BUCKETS, bucket
 from models.errors import StaleHandle
 from models.state import StatePool
 
@@ -155,13 +156,11 @@ def commit_meta(items: Sequence[tuple[Pending, Sequence[int]]], paths: list[list
 
 def eager_steps(longest: int) -> int:
     """The path axis of an eager commit: the smallest path bucket of the graphs that holds the
-    longest path (`models.graphs.NODE_BUCKETS`; past them the next power of two). The SSM commit
+    longest path (`models.buckets.NODE_BUCKETS`; past them the next power of two). The SSM commit
     kernel compiles a program per axis length (it unrolls up to 16 steps, masking those past an
     item's path_len, and loops beyond), so an eager commit runs a program that the warm-up or a
     graph's capture has compiled already."""
-    from models.graphs import NODE_BUCKETS, _bucket  # models.graphs imports this module
-
-    return _bucket(longest, NODE_BUCKETS) or 1 << (longest - 1).bit_length()
+    return bucket(longest, NODE_BUCKETS) or 1 << (longest - 1).bit_length()
 
 
 def run_commit(pool: StatePool, stash: VerifyStash, meta: torch.Tensor, batch: int, steps: int, attn_rows: int,

@@ -13,7 +13,7 @@ from drafter_service.ahead import AheadConfig
 from drafter_service.draftlm import DraftModel
 from drafter_service.engine import Drafter, Options
 from drafter_service.vocab import TrimmedVocab
-from models.graphs import NODE_BUCKETS
+from models.buckets import NODE_BUCKETS
 from tests.drafter.compare import assert_same_replies
 from tests.drafter.test_ahead import drive
 from tests.drafter.test_growth import assert_one_growth_serves, growths_built_by_a_tree

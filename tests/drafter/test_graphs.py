@@ -6,7 +6,8 @@ import pytest
 from drafter_service.ahead import AheadConfig
 from drafter_service.draftlm import DraftModel
 from drafter_service.engine import DraftCall, Drafter, Options
-from models.graphs import NODE_BUCKETS, _StashView
+from models.buckets import NODE_BUCKETS
+from models.graphs import _StashView
 from tests.drafter.compare import assert_same_replies
 from tests.drafter.test_ahead import drive
 from treeserve.sampling import Sampling

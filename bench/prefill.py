@@ -73,7 +73,7 @@ def device_ms(lm, run, prompt: list[int]) -> float:
 
 def prefill_as(lm, way: str):
     """`lm.prefill` of one prompt the given way: packed, chains or pieces (see the module's text)."""
-    chunks = lm.graphs.prefill_chunks
+    chunks, cap = lm.graphs.prefill_chunks, lm.graphs.prefill_tokens
 
     def run(slot: int, prompt: list[int]) -> torch.Tensor:
         lm.graphs.prefill_tokens = 0 if way == "packed" else len(prompt)  # past the default cap too
@@ -81,7 +81,7 @@ def prefill_as(lm, way: str):
         try:
             return lm.prefill([slot], [prompt])
         finally:
-            lm.graphs.prefill_chunks = chunks
+            lm.graphs.prefill_chunks, lm.graphs.prefill_tokens = chunks, cap
     return run
 
 

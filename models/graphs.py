@@ -152,11 +152,13 @@ class GraphRunner:
         rows = min(max_rows, max(self.batch_buckets) * max(self.node_buckets))
         self.stash = VerifyStash(pool, rows, lm.dtype)
         self._handed_out = None  # weakref to the last stash view given to pending handles
-        # prompts (`prefill`): those of at most `prefill_tokens` tokens each (0: none), as pieces of
-        # the prefill chunks that fit, then chains (graphs per node bucket, commits per path bucket
-        # over a stash of their own)
+        # prompts (`prefill`): those of at most `prefill_tokens` tokens each (the prompt's own, not
+        # what its slot holds already; 0: none), as pieces of the prefill chunks that fit, then
+        # chains (graphs per node bucket, commits per path bucket over a stash of their own)
         if any(int(c) < 1 for c in prefill_chunks):
             raise ValueError(f"prefill chunks must be positive token counts, got {list(prefill_chunks)}")
+        if not isinstance(prefill_tokens, int) or prefill_tokens < 0:
+            raise ValueError(f"prefill_tokens must be a token count >= 0 (0: no prompt), got {prefill_tokens!r}")
         self.prefill_tokens = prefill_tokens
         self.prefill_chunks = tuple(sorted({int(c) for c in prefill_chunks if c <= pool.max_len}, reverse=True))
         self._chunk: dict[int, _Graph] = {}
@@ -315,9 +317,9 @@ class GraphRunner:
         self.capture_prefill()
 
     def capture_prefill(self) -> None:
-        """Capture the prefill chunks, and the chain graphs of every node bucket with their commits
-        (`prefill`): a first prompt of each length would otherwise pay a capture and, past 16
-        tokens, compiles."""
+        """Capture the prefill chunks up to the cap (`prefill_tokens`), and the chain graphs of every
+        node bucket with their commits (`prefill`): a first prompt of each length would otherwise
+        pay a capture and, past 16 tokens, compiles."""
         if self.prefill_tokens == 0:
             return
         for c in self.prefill_chunks:

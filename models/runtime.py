@@ -346,8 +346,9 @@ class HybridLM(nn.Module):
                 return torch.randint(0, self.config.vocab_size, (n,), generator=gen).tolist()
 
             a = slots[0]
-            # the eager prefill, whatever the graphs take: prompts with a piece left without a graph
-            # (a failed capture) and models without graphs take it
+            # the eager prefill, whatever the graphs take: prompts past their cap
+            # (`GraphRunner.prefill_tokens`), prompts with a piece left without a graph (a failed
+            # capture) and models without graphs take it
             self._prefill_packed([a], [tokens(1)])
             self._prefill_packed(slots, [tokens(self.WARM_UP_PROMPT) for _ in slots])
             for n in self.WARM_UP_CONTINUATIONS:
@@ -366,7 +367,8 @@ class HybridLM(nn.Module):
         at each prompt's last position. With graphs, each prompt of up to
         `GraphRunner.prefill_tokens` tokens runs through them in pieces (`GraphRunner.prefill`);
         the rest (all of them without graphs, and a prompt with a piece whose graph failed to
-        capture) run in one eager forward, packed."""
+        capture) run in one eager forward, packed. After an exception the slots' states are
+        unspecified: the callers free them."""
         slots = self._check(slots, len(prompts), "prefill")
         if not slots:
             return self._empty_logits()

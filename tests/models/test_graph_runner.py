@@ -106,15 +106,16 @@ def test_prompts_prefill_through_graphs_like_the_packed_prefill(saved, arch):
     for lm in (plain, bucketed):
         assert [lm.pool.alloc() for _ in range(3)] == [0, 1, 2]
     seqs = [[], [], []]
-    # the third call mixes a prompt past the cap (prefilled packed) with one under it (in pieces)
-    for slots, lengths in (([0], [13]), ([0, 1], [3, 9]), ([2, 1], [25, 1]), ([0, 2], [8, 4]), ([1], [22])):
+    # the third call mixes a prompt under the cap (in pieces) with one past it (prefilled packed),
+    # which comes first among the logits; the last prompt is exactly at the cap
+    for slots, lengths in (([0], [13]), ([0, 1], [3, 9]), ([1, 2], [1, 25]), ([0, 2], [8, 4]), ([1], [24])):
         prompts = [random_prompt(rng, n) for n in lengths]
         ours, theirs = bucketed.prefill(slots, prompts), plain.prefill(slots, prompts)
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
         for s, p in zip(slots, prompts):
             seqs[s] += p
     assert pieces == [("chunk", 12), ("chain", 1), ("chain", 3), ("chunk", 5), ("chain", 4), ("chain", 1),
-                      ("chunk", 5), ("chain", 3), ("chain", 4), ("chunk", 12), ("chunk", 5), ("chunk", 5)], \
+                      ("chunk", 5), ("chain", 3), ("chain", 4), ("chunk", 12), ("chunk", 12)], \
         "the 25-token prompt should have been prefilled packed, beside the 1-token one's chain"
     assert [bucketed.pool.length(s) for s in range(3)] == [len(q) for q in seqs]
     for name, t in _state(plain.pool).items():
@@ -128,13 +129,19 @@ def test_prompts_prefill_through_graphs_like_the_packed_prefill(saved, arch):
     assert (out[1] - hf_logits(model, seqs[1] + [6])[-1]).abs().max() < 1e-4
 
 
-def test_prefill_chunks_too_long_for_the_pool_are_left_out(saved):
-    """A chunk longer than a sequence may be is never captured: no prompt could use it."""
+def test_prefill_chunks_too_long_for_the_pool_or_the_cap_are_left_out(saved):
+    """A chunk longer than a sequence may be is never kept, and one past the cap is never captured:
+    no prompt could use it. Chunk sizes and the cap must make sense."""
     path, _ = saved("mamba2")
     lm = HybridLM.from_pretrained(path, max_slots=2, max_len=20)
-    runner = GraphRunner(lm, node_buckets=(1, 4, 8), capture=False, prefill_chunks=(8, 16, 32))
+    runner = GraphRunner(lm, node_buckets=(1, 4, 8), capture=False, prefill_chunks=(8, 16, 32, 8), prefill_tokens=12)
     assert runner.prefill_chunks == (16, 8)
     assert [(p.kind, p.n) for p in runner._pieces(19)] == [("chunk", 16), ("chain", 3)]
+    runner.capture_prefill()
+    assert sorted(runner._chunk) == [8] and sorted(runner._chain) == [1, 4, 8]
+    for chunks, cap in (((0,), 8), ((-4, 8), 8), ((8,), -1), ((8,), None)):
+        with pytest.raises(ValueError):
+            GraphRunner(lm, node_buckets=(1, 4, 8), capture=False, prefill_chunks=chunks, prefill_tokens=cap)
 
 
 def test_a_prompt_between_a_verify_and_its_commit_leaves_the_verify_alone(saved):

@@ -251,10 +251,10 @@ class GraphRunner:
         slot's room and asks `takes_prefill` first, so that every piece has its graph."""
         logits = None
         for piece in self._pieces(len(tokens)):
-            g = self._chunk.get(piece.size) if piece.kind == "chunk" else self._chain.get(piece.size)
+            graphs, run = (self._chunk, self._run_chunk) if piece.kind == "chunk" else (self._chain, self._run_chain)
+            g = graphs.get(piece.size)
             if g is None:
                 raise RuntimeError(f"no {piece.kind} graph of {piece.size}: ask takes_prefill first")
-            run = self._run_chunk if piece.kind == "chunk" else self._run_chain
             hidden = run(g, slot, tokens[piece.start : piece.start + piece.n])
             if piece.start + piece.n == len(tokens):
                 logits = self.lm.logits(hidden)
@@ -264,7 +264,7 @@ class GraphRunner:
         """One prefill graph replay over `piece` (exactly the graph's length) -> the last token's
         hidden state (1, d_model)."""
         pool, n = self.lm.pool, len(piece)
-        g.meta.copy_(_tree_meta([piece], [[-1, *range(n - 1)]], [slot], [pool.length(slot)], n), non_blocking=True)
+        g.meta.copy_(_chain_meta(piece, slot, pool.length(slot), n), non_blocking=True)
         g.replay()
         pool.advance(slot, n)
         return g.hidden[n - 1 : n]
@@ -274,11 +274,10 @@ class GraphRunner:
         token's hidden state (1, d_model)."""
         pool, n = self.lm.pool, len(chain)
         L = pool.length(slot)
-        parents = [-1, *range(n - 1)]
         Nb = g.hidden.shape[0]  # the graph's node bucket
-        g.meta.copy_(_tree_meta([chain], [parents], [slot], [L], Nb), non_blocking=True)
+        g.meta.copy_(_chain_meta(chain, slot, L, Nb), non_blocking=True)
         g.replay()
-        pending = Pending(slot, pool.version(slot), L, tuple(parents), self.chain_stash, 0)
+        pending = Pending(slot, pool.version(slot), L, tuple(_chain_parents(n)), self.chain_stash, 0)
         self.lm.commit([(pending, list(range(n)))])  # its graph writes the pool, never this output
         return g.hidden[n - 1 : n]
 
@@ -414,7 +413,7 @@ class GraphRunner:
         """The prefill graph of n-token pieces (captured now if not tried yet; None if it failed). Its
         forward writes the slot's states and K/V, and no stash."""
         if n not in self._chunk:
-            meta = _tree_meta([[0] * n], [[-1, *range(n - 1)]], [self.lm.pool.scratch_slot], [0], n)
+            meta = _chain_meta([0] * n, self.lm.pool.scratch_slot, 0, n)
             self._chunk[n] = self._try_capture(
                 meta, lambda m: self.lm.hidden("prefill_chunk", _unpack(m, 1, n)), f"prefill {n}")
         return self._chunk[n]
@@ -488,6 +487,16 @@ def _unpack(meta: torch.Tensor, B: int, N: int) -> Packed:
 def _decode_meta(tokens: list[int], slots: list[int], lens: list[int]) -> torch.Tensor:
     B = len(tokens)
     return torch.tensor(tokens + lens + [-1] * B + list(range(B + 1)) + slots + lens, dtype=torch.int64)
+
+
+def _chain_parents(n: int) -> list[int]:
+    """Local parents of a chain of n nodes (a prompt piece): node i's parent is i - 1."""
+    return [-1, *range(n - 1)]
+
+
+def _chain_meta(tokens: list[int], slot: int, L: int, N: int) -> torch.Tensor:
+    """`_tree_meta` of one prompt piece, a chain, after the slot's L committed tokens."""
+    return _tree_meta([tokens], [_chain_parents(len(tokens))], [slot], [L], N)
 
 
 def _tree_meta(tokens, parents, slots, lens, N: int) -> torch.Tensor:

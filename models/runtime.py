@@ -317,8 +317,9 @@ class HybridLM(nn.Module):
         prompt or a drafter's catch-up of a length not seen before otherwise paid a compile of up
         to a few seconds (BENCHMARKS.md, twenty-ninth round). With graphs, also capture the pieces
         prompts run as (`GraphRunner.capture_prefill`: the prefill chunks, and the chains, whose
-        first capture compiles the verify and commit programs of more than 16 nodes). Run it before the model serves: it
-        takes no lock. Nothing to do off CUDA (the reference twins run there)."""
+        first capture compiles the verify and commit programs of more than 16 nodes). Run it
+        before the model serves: it takes no lock. Nothing to do off CUDA (the reference twins run
+        there)."""
         if self.device.type != "cuda":
             return
         self.warm_up_calls()

@@ -8,7 +8,7 @@ Own subcommands (arguments defined here, help with `treeserve bench NAME --help`
 Pass-throughs (everything after the name goes to the module's own parser, so
 `treeserve bench model-runtime --help` shows its options):
   ssm-kernels, attn-conv-kernels, model-runtime, commit-graphs, verifier-service, drafter, first-use,
-  prefill
+  prefill, random-checkpoint
 """
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ PASS_THROUGH = {
                                      "each compiles"),
     "prefill": ("bench.prefill", "prefill latency against prompt length: the packed prefill, prompts as chains "
                                  "through the graphs, and in pieces (chunks, then chains)"),
+    "random-checkpoint": ("bench.random_checkpoint", "write a random-weight checkpoint of a benchmark shape (with a "
+                                                     "tokenizer, or weights whose greedy text repeats)"),
 }
 
 

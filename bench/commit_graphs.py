@@ -19,7 +19,7 @@ import time
 import torch
 
 from bench.model_runtime import balanced_tree
-from bench.verifier_service import write_checkpoint
+from bench.random_checkpoint import write_checkpoint
 
 
 def main(argv=None) -> None:
@@ -35,7 +35,7 @@ def main(argv=None) -> None:
     tmp = tempfile.TemporaryDirectory(prefix="commit-bench-")
     model = pathlib.Path(args.model) if args.model else pathlib.Path(tmp.name)
     if not args.model:
-        write_checkpoint(args.shape, None, model, "cuda")
+        write_checkpoint(args.shape, model, device="cuda")
     lms = {}
     for name in ("graph", "eager"):
         lm = HybridLM.from_pretrained(model, device=torch.device("cuda"), dtype=torch.bfloat16, max_slots=2, max_len=4096)

@@ -13,9 +13,10 @@ each temperature, by:
            the orchestrator's step logic, no RPC             static STree-13, dynamic at each
                                                              budget, n-gram
   grpc     the orchestrator's engine loop in this process,   plain, chain, dynamic, dynamic with
-           `treeserve verifier` + `treeserve drafter` as     draft-ahead, and the server default
-           child processes over gRPC                         (no speculation settings: adaptive
-                                                             budget, the drafter's default shape)
+           `treeserve verifier` + `treeserve drafter` as     draft-ahead, n-gram, and the server
+           child processes over gRPC                         default (no speculation settings:
+                                                             adaptive budget, the drafter's
+                                                             default shape)
 
 The gRPC rows share one engine and one drafter process, as a serving replica's requests do: the
 server default row starts from the cost model, acceptance table and probe credit that the earlier
@@ -117,6 +118,7 @@ def plan_methods(args: argparse.Namespace) -> list[Method]:
         out += [Method("plain", "grpc"), Method(f"chain-{L}", "grpc", "chain", L + 1, L),
                 Method(f"dynamic-{b}", "grpc", "dynamic", b, depth),
                 Method(f"dynamic-{b} +ahead", "grpc", "dynamic", b, depth, draft_ahead=True),
+                Method(f"ngram-{args.ngram_budget}", "grpc", "ngram", args.ngram_budget, depth),
                 Method("server default", "grpc", "dynamic", 0, 0, adaptive=True)]
     if "hf" in args.paths:
         out += [Method("transformers", "hf")]
@@ -355,7 +357,9 @@ def start_children(args, target: pathlib.Path, drafter: pathlib.Path, device: st
     cuda = device.startswith("cuda")
     verifier = Child(["verifier", "--model", target, "--device", device, "--dtype", args.dtype, "--port", 0,
                       "--max-sequences", 4, "--max-tree-nodes", TREE_CAP, "--max-sequence-length", max_len,
-                      "--batch-window-ms", 0, "--cuda-graphs", "startup" if cuda else "off"], "verifier", log("verifier"))
+                      "--batch-window-ms", 0, "--cuda-graphs", "startup" if cuda else "off",
+                      # as `treeserve serve` starts its verifiers: the engine's VerifyStream goes there
+                      "--direct-port", 0], "verifier", log("verifier"))
     try:
         drafter_child = Child(["drafter", "--model", drafter, "--device", device, "--dtype", args.dtype, "--port", 0,
                                "--max-sequences", 4, "--max-len", max_len, "--max-nodes", TREE_CAP,
@@ -464,7 +468,9 @@ def _load(run_: Run, args, target, drafter, device: str, dtype, max_len: int) ->
             wait_s = min(300.0, args.time_limit_s or 300.0)
             addresses = [c.wait(timeout=max(30.0, wait_s - run_.elapsed())) for c in run_.children]
             run_.paths["grpc"] = GrpcPath(addresses[0], addresses[1])
-            run_.result["config"]["services"] = {"verifier": addresses[0], "drafter": addresses[1]}
+            run_.result["config"]["services"] = {
+                "verifier": addresses[0], "drafter": addresses[1],
+                "verify_stream": run_.paths["grpc"].engine.stats()["verify_stream_address"]}
         except Exception as exc:  # noqa: BLE001
             run_.load_errors["grpc"] = f"services did not start: {type(exc).__name__}: {str(exc)[-2000:]}"
             print(f"grpc: {run_.load_errors['grpc']}", file=sys.stderr, flush=True)

@@ -107,6 +107,12 @@ def hf_config(shape: str, layers: int | None = None):
             use_shared_attention_adapter=True, adapter_rank=128, use_mem_rope=True, vocab_size=32000,
             eos_token_id=None, pad_token_id=0, max_position_embeddings=8192,
         )
+    elif shape == "mamba2-tiny":  # smoke runs on a CPU
+        cfg = Mamba2Config(
+            hidden_size=128, num_hidden_layers=layers or 2, num_heads=8, head_dim=32, state_size=16,
+            n_groups=1, expand=2, conv_kernel=4, vocab_size=512, tie_word_embeddings=False, chunk_size=64,
+            eos_token_id=None, pad_token_id=0,
+        )
     else:
         raise SystemExit(f"unknown shape {shape}")
     return cfg

@@ -52,68 +52,13 @@ import threading
 import time
 import urllib.request
 
+from bench.random_checkpoint import write_checkpoint
 from verifier_service.metrics import CALL_STAGES
 
 MODES = ("clients", "batched", "stream", "direct")
 TREE_NODES = 16
 PROMPT = 128
 MAX_COMMIT = 4  # nodes per committed path
-
-
-# ---- the checkpoint ---------------------------------------------------------------------------
-def hf_config(shape: str, layers: int | None):
-    from transformers import BambaConfig, Mamba2Config
-
-    if shape == "mamba2-2.7b":
-        return Mamba2Config(
-            hidden_size=2560, num_hidden_layers=layers or 64, num_heads=80, head_dim=64, state_size=128,
-            n_groups=1, expand=2, conv_kernel=4, vocab_size=50288, tie_word_embeddings=False,
-            chunk_size=256, eos_token_id=0, pad_token_id=0, bos_token_id=0,
-        )
-    if shape == "hybrid-8b":
-        n = layers or 32
-        return BambaConfig(
-            hidden_size=4096, num_hidden_layers=n, attn_layer_indices=list(range(1, n, 2)),
-            num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
-            mamba_n_heads=32, mamba_d_head=128, mamba_n_groups=8, mamba_d_state=128, mamba_expand=1,
-            mamba_d_conv=4, mamba_chunk_size=256, vocab_size=128256, eos_token_id=0, pad_token_id=0,
-            max_position_embeddings=8192,
-        )
-    if shape == "mamba2-tiny":  # smoke runs on a CPU
-        return Mamba2Config(
-            hidden_size=128, num_hidden_layers=layers or 2, num_heads=8, head_dim=32, state_size=16,
-            n_groups=1, expand=2, conv_kernel=4, vocab_size=512, tie_word_embeddings=False, chunk_size=64,
-            eos_token_id=0, pad_token_id=0, bos_token_id=0,
-        )
-    raise SystemExit(f"unknown shape {shape}")
-
-
-def write_checkpoint(shape: str, layers: int | None, out: pathlib.Path, device: str) -> None:
-    """Random bf16 weights with the usual Mamba2 conventions (A_log = log(1..H), D, dt_bias and
-    norms 1, biases 0, everything else N(0, 0.02)), drawn on `device`, saved as safetensors."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    cfg = hf_config(shape, layers)
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
-    gen = torch.Generator(device=device).manual_seed(0)
-    tensors = {}
-    for name, shp in shapes.items():
-        if name.endswith("A_log"):
-            t = torch.log(torch.arange(1, shp.numel() + 1, dtype=torch.float32, device=device)).view(shp)
-        elif name.endswith(("dt_bias", ".D")) or "norm" in name:
-            t = torch.ones(shp, device=device)
-        elif name.endswith("bias"):
-            t = torch.zeros(shp, device=device)
-        else:
-            t = torch.empty(shp, device=device, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen)
-        tensors[name] = t.to(torch.bfloat16).contiguous().cpu()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg.save_pretrained(out)
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()  # the server process needs the memory, not this one
 
 
 # ---- the server process -----------------------------------------------------------------------
@@ -372,7 +317,7 @@ def main() -> None:
     model = pathlib.Path(args.model) if args.model else pathlib.Path(tmp.name) / "model"
     if not args.model:
         model.mkdir()
-        write_checkpoint(args.shape, args.layers, model, args.device)
+        write_checkpoint(args.shape, model, layers=args.layers, device=args.device)
     report = {
         "shape": args.shape if not args.model else None,
         "model": str(model) if args.model else None,

@@ -8,7 +8,7 @@ import sys
 from bench import cli
 
 ALL = ["e2e", "verify-cost", "plots", "ssm-kernels", "attn-conv-kernels", "model-runtime", "commit-graphs",
-       "verifier-service", "drafter", "first-use", "prefill"]
+       "verifier-service", "drafter", "first-use", "prefill", "random-checkpoint"]
 
 
 def test_help_lists_every_sub_benchmark():

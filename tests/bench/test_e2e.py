@@ -41,9 +41,13 @@ def test_toy_runs_every_method_on_every_path(toy):
     got = {(r["method"], r["path"], r["temperature"]) for r in rows}
     names = {("plain", "inproc"), ("chain-6", "inproc"), ("static-13", "inproc"), ("dynamic-4", "inproc"),
              ("ngram-16", "inproc"), ("plain", "grpc"), ("chain-6", "grpc"), ("dynamic-16", "grpc"),
-             ("dynamic-16 +ahead", "grpc"), ("server default", "grpc"), ("transformers", "hf")}
+             ("dynamic-16 +ahead", "grpc"), ("ngram-16", "grpc"), ("server default", "grpc"), ("transformers", "hf")}
     assert got == {(m, p, t) for m, p in names for t in (0.0, 1.0)}
     assert result["config"]["prompts"] == ["HumanEval/0"] and result["config"]["prompt_tokens"] == [48]
+    # the engine's steps go to the verifier's direct port, as under `treeserve serve`
+    services = result["config"]["services"]
+    assert services["verify_stream"].rpartition(":")[0] == services["verifier"].rpartition(":")[0]
+    assert services["verify_stream"] != services["verifier"]
 
 
 def test_toy_rows_are_consistent(toy):
@@ -76,6 +80,7 @@ def test_toy_greedy_outputs_equal_plain_greedy(toy):
     # samples, so its sampled output is plain sampled decoding token for token
     rows = {(r["method"], r["path"], r["temperature"]): r for r in result["rows"]}
     assert rows[("ngram-16", "inproc", 1.0)]["outputs"] == rows[("plain", "inproc", 1.0)]["outputs"]
+    assert rows[("ngram-16", "grpc", 1.0)]["outputs"] == rows[("plain", "grpc", 1.0)]["outputs"]
     assert rows[("plain", "grpc", 1.0)]["outputs"] == rows[("plain", "inproc", 1.0)]["outputs"]
 
 
@@ -83,7 +88,7 @@ def test_toy_writes_table_json_and_plots_and_prints_the_table_last(toy):
     out, stdout, result = toy
     md = (out / "e2e.md").read_text()
     assert "| method | path | T | tokens/s | tau |" in md
-    assert "greedy check: 9/9 greedy rows of our stack reproduce plain greedy decoding" in md
+    assert "greedy check: 10/10 greedy rows of our stack reproduce plain greedy decoding" in md
     for name in ("e2e_speedup.png", "e2e_accept.png"):
         assert (out / name).read_bytes()[:8] == PNG
     lines = [ln for ln in stdout.splitlines() if ln.strip()]

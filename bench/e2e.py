@@ -89,6 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-limit-s", type=float, default=0.0,
                    help="skip the runs that would start after this many seconds (0: no limit); results so far "
                         "are still written")
+    p.add_argument("--grpcio-only", action="store_true",
+                   help="start the services without direct ports, so the engine's steps and drafts go over "
+                        "grpcio's streams (to compare with the default, which runs as `treeserve serve` does)")
     p.add_argument("--toy", action="store_true", help="tiny run for a CPU: 2 prompts, 48 prompt tokens, 8 new tokens")
     p.add_argument("--log-dir", default=None, help="where the verifier/drafter children log (default: temp files)")
     p.add_argument("--out", default="runs/bench-e2e", help="output directory")
@@ -355,16 +358,17 @@ def start_children(args, target: pathlib.Path, drafter: pathlib.Path, device: st
         return str(pathlib.Path(args.log_dir) / f"{name}.log")
 
     cuda = device.startswith("cuda")
+    # as `treeserve serve` starts them: the engine's VerifyStream and Speculate streams go there
+    direct = [] if args.grpcio_only else ["--direct-port", 0]
     verifier = Child(["verifier", "--model", target, "--device", device, "--dtype", args.dtype, "--port", 0,
                       "--max-sequences", 4, "--max-tree-nodes", TREE_CAP, "--max-sequence-length", max_len,
-                      "--batch-window-ms", 0, "--cuda-graphs", "startup" if cuda else "off",
-                      # as `treeserve serve` starts its verifiers: the engine's VerifyStream goes there
-                      "--direct-port", 0], "verifier", log("verifier"))
+                      "--batch-window-ms", 0, "--cuda-graphs", "startup" if cuda else "off", *direct],
+                     "verifier", log("verifier"))
     try:
         drafter_child = Child(["drafter", "--model", drafter, "--device", device, "--dtype", args.dtype, "--port", 0,
                                "--max-sequences", 4, "--max-len", max_len, "--max-nodes", TREE_CAP,
                                "--node-budget", args.grpc_budget, "--max-depth", args.max_depth,
-                               "--ahead-trees", 4, "--ahead-fanout", 4, *drafter_model_flags(args)],
+                               "--ahead-trees", 4, "--ahead-fanout", 4, *direct, *drafter_model_flags(args)],
                               "drafter", log("drafter"))
     except BaseException:
         verifier.stop()
@@ -429,7 +433,8 @@ def run(args: argparse.Namespace) -> int:
         "budgets": args.budgets, "max_depth": args.max_depth, "chain_length": args.chain_length,
         "paths": [p for p in PATHS if p in args.paths], "path_labels": PATH_LABELS, "warmup_tokens": warmup,
         "prompts": [k for k, _ in prompts], "prompt_tokens": [len(ids) for _, ids in prompts],
-        "toy": args.toy, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "grpcio_only": args.grpcio_only, "toy": args.toy,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": report.versions(), "command": " ".join(sys.argv),
     }
     print(f"bench e2e: {len(methods)} methods x {len(args.temperatures)} temperatures x {len(prompts)} prompts x "
@@ -470,7 +475,8 @@ def _load(run_: Run, args, target, drafter, device: str, dtype, max_len: int) ->
             run_.paths["grpc"] = GrpcPath(addresses[0], addresses[1])
             run_.result["config"]["services"] = {
                 "verifier": addresses[0], "drafter": addresses[1],
-                "verify_stream": run_.paths["grpc"].engine.stats()["verify_stream_address"]}
+                "verify_stream": run_.paths["grpc"].engine.stats()["verify_stream_address"],
+                "speculate_stream": run_.paths["grpc"].speculate_address()}
         except Exception as exc:  # noqa: BLE001
             run_.load_errors["grpc"] = f"services did not start: {type(exc).__name__}: {str(exc)[-2000:]}"
             print(f"grpc: {run_.load_errors['grpc']}", file=sys.stderr, flush=True)

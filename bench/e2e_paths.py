@@ -235,5 +235,14 @@ class GrpcPath:
             trace.draft_ms = link.stats.draft_ms - before[2]
         return trace
 
+    def speculate_address(self, wait_s: float = 10.0) -> Optional[str]:
+        """Where the engine's Speculate stream goes (the drafter's direct port when it has one),
+        once its link is up; None without a drafter or when it does not come up in `wait_s`."""
+        link = self.engine.link
+        deadline = time.monotonic() + wait_s
+        while link is not None and link.speculate_address is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return None if link is None else link.speculate_address
+
     def close(self) -> None:
         self.engine.stop()

@@ -6,6 +6,7 @@ import logging
 
 from drafter_service.limits import IDLE_TIMEOUT_S, MODEL_MAX_LEN, NGRAM_MAX_LEN
 from treeserve import cores
+from treeserve.h2grpc import server as direct_port
 from treeserve.server import add_grace_argument, count_argument, number_argument
 
 log = logging.getLogger("treeserve.drafter")
@@ -52,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA graphs for the draft model's steps (default: on with a CUDA device, captured at "
                         "start-up; --no-cuda-graphs runs it eagerly)")
+    direct_port.add_arguments(p, "the Speculate stream")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     p.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' on every call")
     cores.add_argument(p)
@@ -102,7 +104,9 @@ def run(args: argparse.Namespace) -> int:
     from treeserve.server import start_metrics
 
     drafter = build(args)
-    server = serve(drafter, f"{args.host}:{args.port}", auth_token=args.auth_token, grace_s=args.shutdown_grace_s)
+    server = serve(drafter, f"{args.host}:{args.port}", auth_token=args.auth_token, grace_s=args.shutdown_grace_s,
+                   direct_address=None if args.direct_port is None else f"{args.host}:{args.direct_port}",
+                   direct_poll_s=args.direct_poll_us * 1e-6)
     start_metrics(args.metrics_port)
     log.info("drafter: %s, defaults %s", drafter.strategy, drafter.defaults)
     if drafter.model is not None:
@@ -112,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         with cores.CoreSpinners(args.keep_cores_awake):
             print(f"drafter listening on {args.host}:{server.port}", flush=True)
+            if server.direct_port is not None:
+                print(f"drafter direct port on {args.host}:{server.direct_port}", flush=True)
             server.wait()
     finally:
         drafter.close()

@@ -8,6 +8,11 @@ An open Speculate stream holds one of the server's threads for its whole life (g
 server), idle or not, so the server takes at most half its threads' worth of them (`stream_cap`,
 as the verifier does for its VerifyStreams); the other half always serves StartSequence,
 EndSequence, Stats and health.
+
+The direct port (`--direct-port`, `treeserve.h2grpc`) serves Speculate too, the same handler on a
+socket of its own: one thread per connection reads a request, drafts and writes the answer, with
+no hand-off between threads. Stats advertises it; an orchestrator's draft link opens its stream
+there when it can (`orchestrator.draft_link`).
 """
 from __future__ import annotations
 
@@ -15,10 +20,12 @@ import logging
 import threading
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from drafter_service.engine import DraftCall, Drafter, DraftReply
 from treeserve.acceptance import Outcome
-from treeserve.errors import InvalidArgument, item_error, status_of
+from treeserve.errors import InvalidArgument, Unavailable, item_error, status_of
+from treeserve.h2grpc.server import POLL_SECONDS, DirectServer, Method
 from treeserve.sampling import Sampling
 from treeserve.server import GRACE_SECONDS, Server, StreamCap, client_requests, grpc_errors, rpc_threads, stream_cap
 from treeserve.tree import tree_to_proto
@@ -35,6 +42,7 @@ SHAPE_NAMES = {
     pb.TREE_SHAPE_FUSED: "fused",
 }
 SHAPE_ENUMS = {name: value for value, name in SHAPE_NAMES.items()}
+SERVICE = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
 
 
 def shape_name(value: int) -> str | None:
@@ -69,6 +77,7 @@ class DrafterServicer(pbg.DrafterServicer):
         self.drafter = drafter
         self._stopping = stopping
         self._streams = StreamCap(max_streams, "Speculate streams", "close one, or share one stream between sequences")
+        self.direct_port = 0  # Stats advertises it (DrafterServer sets it once the port is open)
 
     @property
     def max_streams(self) -> int:
@@ -111,20 +120,66 @@ class DrafterServicer(pbg.DrafterServicer):
             self.drafter.metrics.error(code.name)
             return pb.DraftResponse(sequence_id=req.sequence_id, error=item_error(exc))
 
+    # ---- the direct port (treeserve.h2grpc) -------------------------------------------------
+    def direct_methods(self) -> dict[str, Method]:
+        """Speculate as the direct port serves it: each request message answered by `_draft`."""
+        return {f"/{SERVICE}/Speculate": Method(self._direct_draft, streaming=True)}
+
+    def _direct_draft(self, message: bytes, call) -> bytes:
+        if self._stopping is not None and self._stopping.is_set():
+            raise Unavailable("the drafter is shutting down")
+        try:
+            req = pb.DraftRequest.FromString(message)
+        except DecodeError as exc:
+            raise InvalidArgument(f"malformed DraftRequest: {exc}") from None
+        return self._draft(req).SerializeToString()
+
     @grpc_errors
     def Stats(self, request, context):
         m = self.drafter.metrics
         return pb.DrafterStats(
             strategy=self.drafter.strategy, active_sequences=self.drafter.active(), trees=m.trees,
             draft_ahead_hits=m.ahead_hits, draft_ahead_misses=m.ahead_misses, mean_draft_ms=m.mean_draft_ms,
-            saved_draft_ms=m.saved_ms,
+            saved_draft_ms=m.saved_ms, direct_port=self.direct_port,
         )
 
 
-def serve(drafter: Drafter, address: str, auth_token: str | None = None, grace_s: float = GRACE_SECONDS) -> Server:
-    """A started server for `drafter` on `address`: its thread pool sized for the drafter's
-    sequences (`rpc_threads`), Speculate streams capped to half of it (`stream_cap`)."""
-    threads = rpc_threads(drafter.max_sequences)
-    server = Server(address, max_workers=threads, auth_token=auth_token, grace_s=grace_s)
-    servicer = DrafterServicer(drafter, stopping=server.stopping, max_streams=stream_cap(threads))
-    return server.add(pbg.add_DrafterServicer_to_server, servicer, "Drafter").start()
+class DrafterServer:
+    """A running Drafter service: the gRPC server, its thread pool sized for the drafter's
+    sequences (`rpc_threads`), Speculate streams capped to half of it (`stream_cap`), and with
+    `direct_address` the direct port beside it. `wait()` serves until SIGTERM/SIGINT; `stop()`."""
+
+    def __init__(self, drafter: Drafter, address: str, auth_token: str | None = None,
+                 grace_s: float = GRACE_SECONDS, direct_address: str | None = None,
+                 direct_poll_s: float = POLL_SECONDS):
+        """direct_address: where to serve Speculate on the direct port as well (None: not at
+        all); direct_poll_s: how long its connections poll for the next request before they sleep."""
+        threads = rpc_threads(drafter.max_sequences)
+        self.server = Server(address, max_workers=threads, auth_token=auth_token, grace_s=grace_s)
+        self.servicer = DrafterServicer(drafter, stopping=self.server.stopping, max_streams=stream_cap(threads))
+        self.server.add(pbg.add_DrafterServicer_to_server, self.servicer, "Drafter")
+        self.direct: DirectServer | None = None
+        if direct_address is not None:
+            self.direct = DirectServer(direct_address, self.servicer.direct_methods(), auth_token=auth_token,
+                                       poll_s=direct_poll_s).start()
+            self.servicer.direct_port = self.direct.port
+        self.server.start()
+        self.port = self.server.port
+        self.direct_port = self.direct.port if self.direct is not None else None
+
+    def wait(self) -> None:
+        """Serve until SIGTERM/SIGINT, then shut down gracefully."""
+        self.server.wait()  # the direct port's streams end at their next message meanwhile
+        if self.direct is not None:
+            self.direct.stop(grace=1.0)
+
+    def stop(self, grace: float | None = None) -> None:
+        if self.direct is not None:
+            self.direct.stop(grace=1.0)
+        self.server.stop(grace)
+
+
+def serve(drafter: Drafter, address: str, auth_token: str | None = None, grace_s: float = GRACE_SECONDS,
+          direct_address: str | None = None, direct_poll_s: float = POLL_SECONDS) -> DrafterServer:
+    """A started `DrafterServer` for `drafter` on `address`."""
+    return DrafterServer(drafter, address, auth_token, grace_s, direct_address, direct_poll_s)

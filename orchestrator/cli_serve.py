@@ -132,7 +132,8 @@ def start_services(plan: Plan, log_dir: Optional[str] = None) -> tuple[list[Chil
             source = ["--ngram"] if plan.drafter is None else ["--model", plan.drafter, "--device", plan.drafter_device]
             if plan.drafter_trim_vocab is not None:
                 source += ["--trim-vocab", plan.drafter_trim_vocab]
-            children.append(Child(["drafter", *source, "--port", port], "drafter", log_path("drafter")))
+            children.append(Child(["drafter", *source, "--port", port, "--direct-port", free_port()], "drafter",
+                                  log_path("drafter")))
             drafter = f"127.0.0.1:{port}"
         return children, verifiers, drafter
     except BaseException:

@@ -16,6 +16,15 @@ depends on it for correctness:
 
 `tokens_of(sequence_id)` is supplied by the engine: the sequence's committed tokens (the log
 without its root), or None when the sequence is gone.
+
+The stream goes to the drafter's direct port when its Stats advertise one (`treeserve drafter
+--direct-port`, `treeserve.h2grpc.client.DirectStream`). Then the engine's thread does all of the
+stream's reading and writing itself: it writes its requests, reads the answers while it waits in
+`take` (and those that came meanwhile before each `request`), and sends the request a sequence
+wanted while it was being started again (the link's worker thread only makes the unary calls). An
+answer so reaches the engine with no hand-off between threads, and the connection, which is not
+thread-safe, has one user. Otherwise it is grpcio's stream: requests go through a queue to
+grpcio's sending thread, and a reader thread of the link receives the answers.
 """
 from __future__ import annotations
 
@@ -30,6 +39,7 @@ from typing import Callable, Optional, Sequence
 import grpc
 
 from treeserve.acceptance import Outcome
+from treeserve.h2grpc.client import DirectStream
 from treeserve.server import channel as make_channel
 from treeserve.stream_session import drain
 from treeserve.tree import TreeError, tree_from_proto
@@ -39,11 +49,15 @@ from treeserve.v1 import treeserve_pb2_grpc as pbg
 log = logging.getLogger("treeserve.orchestrator.draft")
 
 SYNCING, READY = "syncing", "ready"
+SPECULATE_PATH = f"/{pb.DESCRIPTOR.services_by_name['Drafter'].full_name}/Speculate"
 # Status codes of a call that failed as a network failure would: the drafter may not have seen it
 LINK_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 # EndSequences kept for a drafter that cannot be reached; past this the oldest is dropped, and the
 # drafter's idle sweep (`--idle-timeout-s`) frees that sequence instead
 MAX_PENDING_ENDS = 1024
+# Direct port: while a sequence of the batch is being started again, how often `take` stops reading
+# to send the request it wants once the worker has started it
+SYNC_POLL_S = 0.001
 
 
 @dataclass
@@ -116,7 +130,8 @@ class DraftLink:
         self._up = False
         self._generation = 0  # bumps with every new stream; stale readers stop
         self._send_q: Optional[queue.Queue] = None
-        self._call = None  # the Speculate stream
+        self._call = None  # the Speculate stream (grpcio's)
+        self._direct: Optional[DirectStream] = None  # or the stream on the drafter's direct port
         self._stub = None
         self._channel = None
         self._work: queue.Queue = queue.Queue()
@@ -157,6 +172,7 @@ class DraftLink:
         """Ask for the tree to verify at committed `length` with root `root`. Returns whether an
         answer may come (the engine then waits for it in `take`)."""
         with self._cv:
+            self._catch_up_locked()
             seq = self._seqs.get(sid)
             if seq is None or not self._up:
                 return False
@@ -177,6 +193,7 @@ class DraftLink:
         drafter is lagging, waits for nothing."""
         got: dict[str, tuple] = {}
         with self._cv:
+            self._catch_up_locked()
             if self.lagging and not any(s.inflight is not None for s in self._seqs.values()):
                 self.lagging = False
             deadline = time.monotonic() + (0.0 if self.lagging else timeout)
@@ -192,7 +209,16 @@ class DraftLink:
                 left = deadline - time.monotonic()
                 if not missing or left <= 0:
                     break
-                self._cv.wait(left)
+                if self._direct is None:
+                    self._cv.wait(left)
+                    continue
+                self._send_wanted_locked()
+                if self._direct is None:
+                    continue  # the send failed: the link is down
+                # a sequence being started again sends its request once the worker is done: look
+                # every so often
+                syncing = any(self._seqs[s].state == SYNCING for s in missing if s in self._seqs)
+                self._read_unlocked(min(left, SYNC_POLL_S) if syncing else left)
             if missing:
                 self.lagging = True
                 self.stats.late += len(missing)
@@ -209,7 +235,47 @@ class DraftLink:
         seq = self._seqs.get(sid)
         if seq is None or not self._up:
             return False
-        return seq.inflight == length or (seq.state == SYNCING and seq.wanted is not None)
+        return seq.inflight == length or seq.wanted is not None
+
+    def _read_unlocked(self, timeout: float) -> bool:
+        """Direct port, called holding the lock once: read one answer within `timeout` s (0: only
+        one that has come) with the lock let go meanwhile, then take it in; whether one came. A
+        failed stream marks the link down."""
+        stream, generation = self._direct, self._generation
+        self._cv.release()
+        try:
+            resp = stream.read(timeout)
+            failure = None
+        except grpc.RpcError as exc:
+            resp, failure = None, exc
+        finally:
+            self._cv.acquire()
+        if generation != self._generation:
+            return False  # the link went down meanwhile (and the stream with it)
+        if failure is not None:
+            log.warning("drafter %s stream ended: %s", self.address, _describe(failure))
+            self._mark_down_locked()
+            return False
+        if resp is None:
+            return False
+        self._on_response(resp, generation)
+        return True
+
+    def _catch_up_locked(self) -> None:
+        """Direct port: take in the answers that have come already, and send the requests that
+        sequences started again meanwhile want."""
+        while self._direct is not None and self._read_unlocked(0.0):
+            pass
+        self._send_wanted_locked()
+
+    def _send_wanted_locked(self) -> None:
+        for sid, seq in list(self._seqs.items()):
+            if self._direct is None:
+                return
+            if seq.state == READY and seq.wanted is not None and seq.inflight is None:
+                wanted, seq.wanted = seq.wanted, None
+                if wanted[0] >= seq.known:
+                    self._send_locked(sid, seq, wanted[0], wanted[1], wanted[2], None)
 
     def _send_locked(self, sid, seq: _Seq, length: int, root: int, budget: int, outcome: Outcome | None) -> None:
         tokens = self._tokens_of(sid)
@@ -223,7 +289,14 @@ class DraftLink:
         seq.inflight = length
         seq.sent_at = time.monotonic()
         seq.result = None
-        self._send_q.put(req)
+        if self._direct is None:
+            self._send_q.put(req)
+            return
+        try:
+            self._direct.write(req)
+        except grpc.RpcError as exc:
+            log.warning("drafter %s stream ended: %s", self.address, _describe(exc))
+            self._mark_down_locked()
 
     def _mark_down_locked(self) -> None:
         if self._up:
@@ -233,6 +306,9 @@ class DraftLink:
                 self._send_q.put(None)
             if self._call is not None:
                 self._call.cancel()  # a hung drafter must not keep the old reader blocked
+            if self._direct is not None:
+                self._direct.close()
+                self._direct = None
             if not self._closed:
                 self._work.put(("connect",))
         for seq in self._seqs.values():
@@ -278,28 +354,59 @@ class DraftLink:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=2.0)
             stub = pbg.DrafterStub(self._channel)
-            stub.Stats(pb.StatsRequest(), timeout=2.0)
+            stats = stub.Stats(pb.StatsRequest(), timeout=2.0)
         except (grpc.FutureTimeoutError, grpc.RpcError):
             return False
-        send_q: queue.Queue = queue.Queue()
-        responses = stub.Speculate(drain(send_q))
+        direct = self._open_direct(stats.direct_port)
+        send_q: Optional[queue.Queue] = None
+        responses = None
+        if direct is None:
+            send_q = queue.Queue()
+            responses = stub.Speculate(drain(send_q))
         with self._cv:
             self._stub = stub
             self._send_q = send_q
             self._call = responses
+            self._direct = direct
             self._up = True
             generation = self._generation
             sids = list(self._seqs)
             ends = self._ends.take_all()
         self.stats.reconnects += 1
-        threading.Thread(target=self._read, args=(responses, generation), name="draft-reader", daemon=True).start()
+        if responses is not None:
+            threading.Thread(target=self._read, args=(responses, generation), name="draft-reader",
+                             daemon=True).start()
         # the ends go first: a start queued for one of their ids later (a reopen) runs after its end
         for sid in ends:
             self._work.put(("end", sid))
         for sid in sids:
             self._work.put(("start", sid))
-        log.info("drafter %s connected", self.address)
+        log.info("drafter %s connected%s", self.address,
+                 f" (Speculate on its direct port {direct.address})" if direct is not None else "")
         return True
+
+    def _open_direct(self, port: int) -> Optional[DirectStream]:
+        """The Speculate stream on the drafter's direct `port` (0: it has none), or None (then
+        grpcio's stream) when that port does not answer."""
+        if not port:
+            return None
+        address = f"{self.address.rpartition(':')[0]}:{port}"
+        try:
+            return DirectStream(address, SPECULATE_PATH, lambda m: m.SerializeToString(), pb.DraftResponse.FromString,
+                                auth_token=self._token, send_timeout=self._timeout)
+        except grpc.RpcError as exc:
+            log.warning("drafter %s advertises direct port %d, which does not answer (%s): Speculate over gRPC "
+                        "instead", self.address, port, _describe(exc))
+            return None
+
+    @property
+    def speculate_address(self) -> Optional[str]:
+        """Where the Speculate stream goes: the direct port's address, the drafter's, or None while
+        the link is down."""
+        with self._cv:
+            if not self._up:
+                return None
+            return self._direct.address if self._direct is not None else self.address
 
     def _end(self, sid: str) -> None:
         """EndSequence for a closed sequence; kept for later when the drafter cannot be reached."""
@@ -344,9 +451,11 @@ class DraftLink:
             seq.known = int(resp.committed_length) if resp.committed_length else len(tokens)
             seq.state = READY
             self.stats.resyncs += 1
-            wanted, seq.wanted = seq.wanted, None
-            if wanted is not None and wanted[0] >= seq.known:
-                self._send_locked(sid, seq, wanted[0], wanted[1], wanted[2], None)
+            if self._direct is None:
+                wanted, seq.wanted = seq.wanted, None
+                if wanted is not None and wanted[0] >= seq.known:
+                    self._send_locked(sid, seq, wanted[0], wanted[1], wanted[2], None)
+            # on the direct port the engine's thread sends `wanted` (`_send_wanted_locked`)
             self._cv.notify_all()
 
     def _read(self, responses, generation: int) -> None:

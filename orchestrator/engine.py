@@ -301,7 +301,8 @@ class Engine:
                "verify_rpc": "Verify" if self._stream is None else "VerifyStream",
                "verify_stream_address": getattr(self._stream, "address", self.config.verifier)}
         if self.link is not None:
-            out["drafter"] = {"up": self.link.up, **self.link.stats.__dict__}
+            out["drafter"] = {"up": self.link.up, "speculate_address": self.link.speculate_address,
+                              **self.link.stats.__dict__}
         return out
 
     # ---- validation ---------------------------------------------------------------------

@@ -6,6 +6,7 @@ import logging
 import pathlib
 
 from treeserve import cores
+from treeserve.h2grpc import server as direct_port
 from treeserve.h2grpc.server import POLL_SECONDS
 from treeserve.server import GRACE_SECONDS, add_grace_argument, number_argument
 from verifier_service.limits import MAX_BATCH_WINDOW_MS, Limits
@@ -34,12 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-nodes", type=int, default=d.max_batch_nodes, help="tree nodes per forward")
     p.add_argument("--idle-timeout-s", type=number_argument("seconds"), default=d.idle_timeout_s, metavar="S",
                    help="release sequences idle this long (0: never)")
-    p.add_argument("--direct-port", type=int, default=None,
-                   help="also serve Verify and VerifyStream on this port without grpcio's threads (a shorter round "
-                        "trip per step; 0 picks a free port; default: off). See docs/internals.md")
-    p.add_argument("--direct-poll-us", type=number_argument("microseconds", 1e6), default=POLL_SECONDS * 1e6, metavar="US",
-                   help="how long a direct-port connection polls for its next request before it sleeps (a busy "
-                        f"core meanwhile, a faster next step; 0: never; default {POLL_SECONDS * 1e6:g})")
+    direct_port.add_arguments(p, "Verify and VerifyStream")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     p.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' on every call")
     p.add_argument("--cuda-graphs", choices=GRAPH_MODES, default="lazy",

@@ -48,6 +48,8 @@ def test_toy_runs_every_method_on_every_path(toy):
     services = result["config"]["services"]
     assert services["verify_stream"].rpartition(":")[0] == services["verifier"].rpartition(":")[0]
     assert services["verify_stream"] != services["verifier"]
+    assert services["speculate_stream"].rpartition(":")[0] == services["drafter"].rpartition(":")[0]
+    assert services["speculate_stream"] != services["drafter"]
 
 
 def test_toy_rows_are_consistent(toy):

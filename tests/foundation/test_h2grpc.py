@@ -1,7 +1,7 @@
 """treeserve.h2grpc: gRPC over cleartext HTTP/2 written on sockets.
 
-The server (`DirectServer`) is checked against grpcio's client, and the client
-(`DirectStreamSession`) against both `DirectServer` and grpcio's server, so each side is tested
+The server (`DirectServer`) is checked against grpcio's client, and the clients
+(`DirectStreamSession`, `DirectStream`) against both `DirectServer` and grpcio's server, so each side is tested
 against an independent peer: round trips, streams, messages larger than the default flow-control
 window and frame size, status codes and their percent-encoded messages, auth, message limits,
 deadlines, concurrent streams, malformed connections, the `grpc-timeout` encoding, and shutdown.
@@ -23,7 +23,7 @@ import pytest
 
 from treeserve.errors import InvalidArgument
 from treeserve.h2grpc import frames
-from treeserve.h2grpc.client import DirectStreamSession
+from treeserve.h2grpc.client import DirectStream, DirectStreamSession
 from treeserve.h2grpc.peer import RECEIVE_WINDOW
 from treeserve.h2grpc.server import DirectServer, Method
 
@@ -489,6 +489,94 @@ def test_session_context_manager_closes(direct):
     assert not session.open
     with pytest.raises(ValueError):
         session.send(b"y")
+
+
+# ---- 5b. DirectStream: several requests in flight on one stream --------------------------------------
+
+def open_stream(port: int, **kwargs) -> DirectStream:
+    return DirectStream(f"127.0.0.1:{port}", STREAM, identity, identity, **kwargs)
+
+
+def test_stream_answers_every_request_in_order(direct):
+    s = open_stream(direct.port)
+    try:
+        assert s.read(0) is None  # nothing asked, nothing there
+        for i in range(5):
+            s.write(f"r{i}".encode())
+        assert [s.read(WAIT_S) for _ in range(5)] == [f"echo:r{i}".encode() for i in range(5)]
+        assert s.read(0.05) is None and s.open
+        big = payload(LARGE, 3)
+        s.write(big)
+        assert s.read(WAIT_S) == b"echo:" + big
+    finally:
+        s.close()
+    assert not s.open
+
+
+def test_stream_read_without_waiting_takes_only_what_has_come(direct, release, started):
+    s = open_stream(direct.port)
+    try:
+        s.write(b"a")
+        deadline = time.monotonic() + WAIT_S
+        got = None
+        while got is None and time.monotonic() < deadline:  # read(0) never waits for the answer
+            t0 = time.monotonic()
+            got = s.read(0)
+            assert time.monotonic() - t0 < 0.5
+        assert got == b"echo:a"
+        s.write(b"slow b")
+        assert started.wait(WAIT_S)
+        assert s.read(0) is None and s.read(0.1) is None  # late: the stream stays open for it
+        release.set()
+        assert s.read(WAIT_S) == b"echo:slow b"
+        s.write(b"c")
+        assert s.read(WAIT_S) == b"echo:c"
+    finally:
+        s.close()
+
+
+def test_stream_error_status_ends_it(direct):
+    s = open_stream(direct.port)
+    s.write(b"a")
+    s.write(b"fail now")
+    assert s.read(WAIT_S) == b"echo:a"
+    with pytest.raises(grpc.RpcError) as info:
+        s.read(WAIT_S)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details() == ERROR_MESSAGE
+    assert not s.open
+    with pytest.raises(grpc.RpcError) as info:
+        s.write(b"b")
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+
+
+def test_stream_auth_and_a_stopped_server(start_direct):
+    server = start_direct(auth_token=TOKEN)
+    s = open_stream(server.port)
+    s.write(b"x")
+    with pytest.raises(grpc.RpcError) as info:
+        s.read(WAIT_S)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    s = open_stream(server.port, auth_token=TOKEN)
+    s.write(b"x")
+    assert s.read(WAIT_S) == b"echo:x"
+    server.stop(1.0)
+    with pytest.raises(grpc.RpcError) as info:
+        s.write(b"y")
+        s.read(WAIT_S)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and not s.open
+    with pytest.raises(grpc.RpcError) as info:  # nothing listens now
+        open_stream(server.port)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_stream_against_grpcio_server(grpc_echo):
+    s = open_stream(grpc_echo)
+    try:
+        for i in range(10):
+            s.write(f"g{i}".encode())
+        assert [s.read(WAIT_S) for _ in range(10)] == [f"echo:g{i}".encode() for i in range(10)]
+    finally:
+        s.close()
 
 
 # ---- 6. DirectStreamSession -> grpcio server -----------------------------------------------------

@@ -29,10 +29,12 @@ def verifier(model_dir, port: int = 0, max_sequences: int = 6, prefix: Sequence[
                   "--max-sequence-length", MAX_SEQUENCE_LENGTH, "--batch-window-ms", "1", *extra], name, prefix=prefix)
 
 
-def drafter(model_dir=None, port: int = 0, prefix: Sequence[str] = (), host: str = "127.0.0.1") -> Child:
+def drafter(model_dir=None, port: int = 0, prefix: Sequence[str] = (), host: str = "127.0.0.1",
+            extra: Sequence[str] = ()) -> Child:
     source = ["--ngram"] if model_dir is None else ["--model", model_dir]
     return Child(["drafter", *source, "--host", host, "--port", port, "--node-budget", "8", "--max-depth", "4",
-                  "--max-sequences", "16", "--ahead-trees", "2", "--ahead-fanout", "2"], "drafter", prefix=prefix)
+                  "--max-sequences", "16", "--ahead-trees", "2", "--ahead-fanout", "2", *extra], "drafter",
+                 prefix=prefix)
 
 
 def orchestrator(verifiers: Sequence[str], drafter_address: Optional[str], tokenizer=None, *extra,

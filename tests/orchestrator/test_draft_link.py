@@ -87,3 +87,118 @@ def test_a_drafter_that_refuses_the_stream_is_retried_with_a_growing_delay(draft
         client.close()
         server.stop(grace=0)
 
+
+
+# ---- the stream on the drafter's direct port ------------------------------------------------------
+REPEAT = [7, 8, 9] * 6  # n-gram drafting continues a repeating text
+
+
+class SlowDrafts:
+    """The drafter's `draft`, held back by `delay` seconds while that is set (a lagging drafter)."""
+
+    def __init__(self, drafter: Drafter):
+        self.inner = drafter.draft
+        self.delay = 0.0
+        drafter.draft = self
+
+    def __call__(self, call):
+        if self.delay:
+            time.sleep(self.delay)
+        return self.inner(call)
+
+
+@pytest.fixture
+def direct(drafter):
+    server = serve(drafter, "127.0.0.1:0", direct_address="127.0.0.1:0")
+    log = {"s": list(REPEAT)}
+    link = DraftLink(f"127.0.0.1:{server.port}", lambda sid: log[sid][:-1] if sid in log else None,
+                     vocab_size=1000, max_tree_nodes=16, call_timeout=5.0)
+    link.open("s", pb.SamplingParams(), pb.DraftOptions(shape=pb.TREE_SHAPE_NGRAM, node_budget=8, max_depth=4))
+    wait_until(lambda: link.up and link._seqs["s"].state == "ready", what="the sequence started")
+    yield server, link, log
+    link.shutdown()
+    server.stop(grace=0)
+
+
+def draft_step(link: DraftLink, log: dict, timeout: float = 5.0):
+    """Ask for the tree after the log's last token and wait for it: (asked, tree or None)."""
+    n = len(log["s"])
+    asked = link.request("s", n - 1, log["s"][-1], 8, None)
+    got = link.take({"s": n - 1}, timeout) if asked else {}
+    return asked, got["s"][0] if "s" in got else None
+
+
+def test_the_link_drafts_over_the_direct_port(drafter, direct):
+    server, link, log = direct
+    assert server.direct_port and link.speculate_address == f"127.0.0.1:{server.direct_port}"
+    for _ in range(5):
+        asked, tree = draft_step(link, log)
+        assert asked and tree is not None
+        root = log["s"][-1]
+        assert tree.tokens[0] == root and tree.tokens[1] == REPEAT[(REPEAT.index(root) + 1) % 3]
+        log["s"].append(REPEAT[len(log["s"]) % 3])
+    assert link.stats.trees == 5 and link.stats.late == 0 and drafter.metrics.trees == 5
+
+
+def test_a_late_answer_over_the_direct_port_is_dropped_and_drafting_resumes(drafter, direct):
+    server, link, log = direct
+    slow = SlowDrafts(drafter)
+    slow.delay = 0.3
+    asked, tree = draft_step(link, log, timeout=0.02)
+    assert asked and tree is None and link.lagging and link.stats.late == 1
+    log["s"].append(7)
+    assert link.request("s", len(log["s"]) - 1, 7, 8, None) is False  # one request in flight at a time
+    slow.delay = 0.0
+    time.sleep(0.4)  # the late answer has come; the next request reads it first and drops it
+    log["s"].append(8)
+    asked, tree = draft_step(link, log)
+    assert asked and tree is not None and tree.tokens[0] == 8
+    assert not link.lagging and link.stats.trees == 2  # the late tree was taken in, not used
+
+
+def test_a_sequence_the_drafter_lost_is_restarted_over_the_direct_port(drafter, direct):
+    server, link, log = direct
+    assert draft_step(link, log)[1] is not None
+    resyncs = link.stats.resyncs
+    drafter.end("s")  # the drafter forgets it (an idle sweep would): its next answer is an error
+    log["s"].append(7)
+    asked, tree = draft_step(link, log, timeout=0.5)
+    assert asked and tree is None
+    wait_until(lambda: length_of(drafter, "s") == len(log["s"]) - 1, what="the sequence started again")
+    wait_until(lambda: link._seqs["s"].state == "ready", what="the link in sync")
+    log["s"].append(8)
+    assert draft_step(link, log)[1] is not None
+    assert link.stats.resyncs == resyncs + 1
+
+
+def test_a_drafter_back_on_a_new_direct_port_is_found_again(drafter, direct):
+    server, link, log = direct
+    assert draft_step(link, log)[1] is not None
+    address, old_direct = f"127.0.0.1:{server.port}", server.direct_port
+    server.stop(grace=0)
+    log["s"].append(7)
+    draft_step(link, log, timeout=0.5)  # the write or the read finds the connection gone
+    wait_until(lambda: not link.up, what="the link down")
+    server = serve(drafter, address, direct_address="127.0.0.1:0")
+    try:
+        wait_until(lambda: link.up and link._seqs["s"].state == "ready", what="the link back")
+        assert link.speculate_address == f"127.0.0.1:{server.direct_port}" != f"127.0.0.1:{old_direct}"
+        log["s"].append(8)
+        assert draft_step(link, log)[1] is not None
+    finally:
+        server.stop(grace=0)
+
+
+def test_a_drafter_without_a_direct_port_gets_grpcs_stream(drafter):
+    server = serve(drafter, "127.0.0.1:0")
+    log = {"s": list(REPEAT)}
+    link = DraftLink(f"127.0.0.1:{server.port}", lambda sid: log[sid][:-1] if sid in log else None,
+                     vocab_size=1000, max_tree_nodes=16, call_timeout=5.0)
+    try:
+        link.open("s", pb.SamplingParams(), pb.DraftOptions(shape=pb.TREE_SHAPE_NGRAM, node_budget=8, max_depth=4))
+        wait_until(lambda: link.up and link._seqs["s"].state == "ready", what="the sequence started")
+        assert link.speculate_address == f"127.0.0.1:{server.port}"
+        assert draft_step(link, log)[1] is not None
+    finally:
+        link.shutdown()
+        server.stop(grace=0)

@@ -52,6 +52,9 @@ class Services:
         # serves VerifyStream on gRPC only); its metrics say how many connections the port holds
         self.direct_metrics = f"http://{vip}:{stack.free_port()}/metrics"
         self.drafter = f"{dip}:{stack.free_port()}"
+        # the drafter serves Speculate on a direct port as well (as under `serve`): a killed and
+        # restarted drafter is found again there
+        self.drafter_direct_port = stack.free_port()
         self.children = {}
 
     def _where(self, host):
@@ -67,7 +70,9 @@ class Services:
 
     def start_drafter(self):
         port = self.drafter.rsplit(":", 1)[1]
-        self.children["d"] = c = stack.drafter(self.drafter_model, port=port, **self._where(self.d_host))
+        self.children["d"] = c = stack.drafter(self.drafter_model, port=port,
+                                               extra=("--direct-port", str(self.drafter_direct_port)),
+                                               **self._where(self.d_host))
         return c
 
     def start(self):
@@ -191,7 +196,8 @@ def test_drafter_killed_mid_generation(services, client, reference, prompt):
         return max(nodes for nodes, _, _ in res.steps) > 1
 
     stack.wait_until(drafted_again, 60, "trees from the restarted drafter")
-    assert stack.drafter_stats(services.drafter).trees > 0
+    stats = stack.drafter_stats(services.drafter)
+    assert stats.trees > 0 and stats.direct_port == services.drafter_direct_port
 
 
 def test_verifier_failures_move_and_resume(services, client, reference, prompt):

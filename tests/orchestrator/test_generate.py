@@ -28,7 +28,8 @@ def services(tiny_pair):
     v_addr, d_addr = f"127.0.0.1:{stack.free_port()}", f"127.0.0.1:{stack.free_port()}"
     # all three start together: the orchestrator's engine waits for its verifier
     children = [stack.verifier(target, port=v_addr.split(":")[1], max_sequences=MAX_SEQUENCES),
-                stack.drafter(target, port=d_addr.split(":")[1]),  # self-drafting: the draft model is the target
+                # self-drafting (the draft model is the target), Speculate on its direct port as under `serve`
+                stack.drafter(target, port=d_addr.split(":")[1], extra=("--direct-port", "0")),
                 stack.orchestrator([v_addr], d_addr, target, "--auth-token", TOKEN)]
     _, _, o_addr = stack.start(children)
     yield {"verifier": v_addr, "drafter": d_addr, "orchestrator": o_addr}

@@ -6,11 +6,18 @@ client sends a stream's requests from its own thread and reads responses on anot
 returns the response, one at a time; failures are grpc.RpcError with `code()` and `details()`; any
 failure ends the stream and the next `send` opens a new one (on a new connection if the old one
 broke). It speaks to any gRPC server over cleartext HTTP/2: to the verifier's direct port
-(`treeserve.h2grpc.server`) or to a grpcio server."""
+(`treeserve.h2grpc.server`) or to a grpcio server.
+
+`DirectStream` keeps several requests in flight on one stream instead: `write(request)` sends at
+once, `read(timeout)` returns the next response or None when none came in time (the stream stays
+open; a late response is read later). The orchestrator's draft link uses it on the drafter's direct
+port, one request per sequence of its batch."""
 from __future__ import annotations
 
+import select
 import socket
 import time
+from collections import deque
 from typing import Callable
 
 import grpc
@@ -22,6 +29,8 @@ from treeserve.server import MAX_MESSAGE_BYTES
 from treeserve.stream_session import StreamError
 
 CONNECT_TIMEOUT_S = 10.0
+# How long `DirectStream.read(0)` waits for the rest of a frame whose first bytes have come
+PARTIAL_FRAME_S = 0.05
 
 
 def _status(value: str) -> grpc.StatusCode:
@@ -52,9 +61,88 @@ class _Connection:
         self.peer.queue(f.PREFACE + self.peer.local_settings())
         self.broken = False
 
+    def handshake(self, address: str) -> None:
+        """Send the preface and settings, read the server's SETTINGS: UNAVAILABLE (a StreamError)
+        when the server does not answer as HTTP/2."""
+        try:
+            self.peer.flush()
+            self.peer.sock.settimeout(CONNECT_TIMEOUT_S)
+            ftype, flags, _, payload, _ = self.peer.reader.read()  # the server's SETTINGS
+            self.peer.sock.settimeout(None)
+            if ftype != f.SETTINGS or flags & f.ACK:
+                raise f.ProtocolError("the server did not start with SETTINGS")
+            self.peer.control(ftype, flags, 0, payload)
+        except (f.ConnectionClosed, f.ProtocolError, OSError) as exc:
+            self.close()
+            raise StreamError(grpc.StatusCode.UNAVAILABLE, f"{address} does not answer as gRPC: {exc}") from exc
+
+    def open_stream(self, path: str, auth: str | None) -> int:
+        """A new stream of `path` (its HEADERS queued, not yet flushed): its id."""
+        sid = self.next_sid
+        self.next_sid += 2
+        headers = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", self.authority),
+                   ("content-type", "application/grpc"), ("te", "trailers"), ("user-agent", "treeserve-h2grpc")]
+        if auth:
+            headers.append(("authorization", auth))
+        self.peer.open_stream(sid)
+        self.peer.queue_headers(sid, headers, end_stream=False)
+        return sid
+
     def close(self) -> None:
         self.broken = True
         self.peer.close()
+
+
+class _StreamOver(StreamError):
+    """The server ended or reset the stream (nothing is left to reset at this end)."""
+
+
+def _read_messages(conn: _Connection, sid: int, messages: f.MessageBuffer) -> list[bytes]:
+    """Read frames of `conn` until stream `sid` delivers one or more whole messages (returned).
+    The server's end of the stream raises _StreamOver with its status; the socket's timeout (or
+    its reader's deadline) raises TimeoutError, with what was read kept for the next call."""
+    while True:
+        out = _read_frame(conn, sid, messages)
+        if out:
+            return out  # the windows owed go out with the next request
+
+
+def _read_frame(conn: _Connection, sid: int, messages: f.MessageBuffer) -> list[bytes]:
+    """Read one frame of `conn` and act on it: the whole messages of stream `sid` it completes (none
+    for most frames). Raises as `_read_messages` does."""
+    peer = conn.peer
+    ftype, flags, stream, payload, flow = peer.reader.read()
+    if peer.control(ftype, flags, stream, payload):
+        return []
+    if ftype == f.DATA:
+        peer.received(stream, flow, stream_open=stream == sid and not flags & f.END_STREAM)
+        if stream != sid:
+            return []
+        try:
+            return messages.feed(payload)
+        except (f.MessageTooLarge, ValueError) as exc:
+            raise StreamError(grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(exc, f.MessageTooLarge)
+                              else grpc.StatusCode.INTERNAL, f"response: {exc}") from None
+    if ftype == f.HEADERS:
+        headers = dict(peer.header_block(stream, flags, payload))
+        if stream != sid:
+            return []
+        if headers.get(":status", "200") != "200":
+            raise StreamError(grpc.StatusCode.UNAVAILABLE, f"HTTP status {headers[':status']}")
+        if flags & f.END_STREAM:
+            peer.forget(sid)
+            code = _status(headers.get("grpc-status", ""))
+            message = f.decode_status_message(headers.get("grpc-message", ""))
+            if code == grpc.StatusCode.OK:
+                raise _StreamOver(grpc.StatusCode.UNKNOWN, "the server ended the stream without a response")
+            raise _StreamOver(code, message)
+        return []
+    if ftype == f.RST_STREAM:
+        if stream == sid:
+            peer.forget(sid)
+            raise _StreamOver(grpc.StatusCode.INTERNAL, "the server reset the stream")
+        return []
+    raise f.ProtocolError(f"unexpected frame type {ftype}")
 
 
 class DirectStreamSession:
@@ -86,17 +174,10 @@ class DirectStreamSession:
         if self._conn is None or self._conn.broken:
             self._conn = _Connection(self.address)
             try:
-                self._conn.peer.flush()
-                self._conn.peer.sock.settimeout(CONNECT_TIMEOUT_S)
-                ftype, flags, _, payload, _ = self._conn.peer.reader.read()  # the server's SETTINGS
-                self._conn.peer.sock.settimeout(None)
-                if ftype != f.SETTINGS or flags & f.ACK:
-                    raise f.ProtocolError("the server did not start with SETTINGS")
-                self._conn.peer.control(ftype, flags, 0, payload)
-            except (f.ConnectionClosed, f.ProtocolError, OSError) as exc:
+                self._conn.handshake(self.address)
+            except StreamError:
                 self._drop_connection()
-                raise StreamError(grpc.StatusCode.UNAVAILABLE, f"{self.address} does not answer as gRPC: {exc}") \
-                    from exc
+                raise
         return self
 
     def send(self, request, timeout: float | None = None):
@@ -120,6 +201,10 @@ class DirectStreamSession:
             self.error = failure
             self._drop_connection()
             raise failure from None
+        except _StreamOver as exc:
+            self.error = exc
+            self._sid = None  # the server ended the stream
+            raise
         except grpc.RpcError as exc:
             self.error = exc
             self._end(reset=exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -133,69 +218,23 @@ class DirectStreamSession:
     def _open(self) -> None:
         if self._conn is None or self._conn.broken:
             self._conn = _Connection(self.address)
-        conn = self._conn
-        sid = conn.next_sid
-        conn.next_sid += 2
-        headers = [(":method", "POST"), (":scheme", "http"), (":path", self.path), (":authority", conn.authority),
-                   ("content-type", "application/grpc"), ("te", "trailers"), ("user-agent", "treeserve-h2grpc")]
-        if self._auth:
-            headers.append(("authorization", self._auth))
-        conn.peer.open_stream(sid)
-        conn.peer.queue_headers(sid, headers, end_stream=False)
-        self._sid = sid
+        self._sid = self._conn.open_stream(self.path, self._auth)
         self._messages = f.MessageBuffer(MAX_MESSAGE_BYTES)
 
     def _response(self, deadline: float | None, timeout: float | None) -> bytes:
-        """Read frames until this stream's next message, by `deadline` (time.monotonic(); None: no
-        limit; `timeout` is what it was set from, for the message); a status ends the stream (raised)."""
-        conn, sid = self._conn, self._sid
-        peer = conn.peer
-        while True:
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no response within {timeout:g} s")
-                peer.sock.settimeout(left)
-            try:
-                ftype, flags, stream, payload, flow = peer.reader.read()
-            except TimeoutError:
-                raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no response within {timeout:g} s") from None
-            if peer.control(ftype, flags, stream, payload):
-                continue
-            if ftype == f.DATA:
-                peer.received(stream, flow, stream_open=stream == sid and not flags & f.END_STREAM)
-                if stream != sid:
-                    continue
-                try:
-                    messages = self._messages.feed(payload)
-                except (f.MessageTooLarge, ValueError) as exc:
-                    raise StreamError(grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(exc, f.MessageTooLarge)
-                                      else grpc.StatusCode.INTERNAL, f"response: {exc}") from None
-                if messages:
-                    if len(messages) > 1:
-                        raise StreamError(grpc.StatusCode.INTERNAL, "more than one response to a request")
-                    return messages[0]  # the windows owed go out with the next request
-            elif ftype == f.HEADERS:
-                headers = dict(peer.header_block(stream, flags, payload))
-                if stream != sid:
-                    continue
-                if headers.get(":status", "200") != "200":
-                    raise StreamError(grpc.StatusCode.UNAVAILABLE, f"HTTP status {headers[':status']}")
-                if flags & f.END_STREAM:
-                    self._sid = None  # the server ended the stream
-                    peer.forget(sid)
-                    code = _status(headers.get("grpc-status", ""))
-                    message = f.decode_status_message(headers.get("grpc-message", ""))
-                    if code == grpc.StatusCode.OK:
-                        raise StreamError(grpc.StatusCode.UNKNOWN, "the server ended the stream without a response")
-                    raise StreamError(code, message)
-            elif ftype == f.RST_STREAM:
-                if stream == sid:
-                    self._sid = None
-                    peer.forget(sid)
-                    raise StreamError(grpc.StatusCode.INTERNAL, "the server reset the stream")
-            else:
-                raise f.ProtocolError(f"unexpected frame type {ftype}")
+        """This stream's next message, by `deadline` (time.monotonic(); None: no limit; `timeout`
+        is what it was set from, for the message); a status ends the stream (raised)."""
+        peer = self._conn.peer
+        try:
+            peer.reader.deadline = deadline
+            messages = _read_messages(self._conn, self._sid, self._messages)
+        except TimeoutError:
+            raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no response within {timeout:g} s") from None
+        finally:
+            peer.reader.deadline = None
+        if len(messages) > 1:
+            raise StreamError(grpc.StatusCode.INTERNAL, "more than one response to a request")
+        return messages[0]
 
     def _end(self, reset: bool) -> None:
         """Stop the open stream: a late response's stream is reset (its answer is dropped)."""
@@ -230,3 +269,106 @@ class DirectStreamSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class DirectStream:
+    """One stream of the bidirectional method `path` at `address` ("host:port") carrying several
+    requests at once: `write(request)` sends at once; `read(timeout)` returns the next response (in
+    request order, as the server answers them) or None when none came within `timeout` seconds.
+    A late response stays readable: the stream is not ended for it. `serialize(request) -> bytes`,
+    `deserialize(bytes) -> response`. One thread uses it at a time (the caller's lock); it has no
+    thread of its own, so a response costs its reader no hand-off. Any failure (the server's
+    status, a broken connection) raises a grpc.RpcError and ends the stream: `open` is then False
+    and the caller makes a new one."""
+
+    def __init__(self, address: str, path: str, serialize: Callable, deserialize: Callable,
+                 auth_token: str | None = None, send_timeout: float = CONNECT_TIMEOUT_S):
+        """send_timeout: how long a write may wait for the server to take its bytes."""
+        self.address = address
+        self._serialize = serialize
+        self._deserialize = deserialize
+        self._send_timeout = send_timeout
+        self._conn = _Connection(address)
+        try:
+            self._conn.handshake(address)
+            self._sid: int | None = self._conn.open_stream(path, f"Bearer {auth_token}" if auth_token else None)
+            self._conn.peer.flush()
+        except StreamError:
+            self._conn.close()
+            raise
+        except (f.ConnectionClosed, OSError) as exc:
+            self._conn.close()
+            raise StreamError(grpc.StatusCode.UNAVAILABLE, f"connection to {address} failed: {exc}") from exc
+        self._messages = f.MessageBuffer(MAX_MESSAGE_BYTES)
+        self._ready: deque[bytes] = deque()  # responses read off the socket, not yet returned
+
+    @property
+    def open(self) -> bool:
+        return self._sid is not None
+
+    def write(self, request) -> None:
+        self._check_open()
+        peer = self._conn.peer
+        try:
+            peer.sock.settimeout(self._send_timeout)
+            try:
+                peer.queue_data(self._sid, f.grpc_message(self._serialize(request)))
+            except StreamReset:
+                pass  # the server ended the call: its status comes with the next read
+            peer.flush()
+        except TimeoutError:  # part of a frame may have gone: the connection is unusable
+            raise self._failed(StreamError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                           f"the request was not sent within {self._send_timeout:g} s")) from None
+        except (f.ConnectionClosed, f.ProtocolError, hpack.HPACKError, OSError) as exc:
+            raise self._failed(StreamError(grpc.StatusCode.UNAVAILABLE,
+                                           f"connection to {self.address} failed: {exc}")) from exc
+
+    def read(self, timeout: float | None):
+        """The next response, or None when none came within `timeout` seconds (0: only what has
+        arrived already; None: wait as long as it takes)."""
+        if self._ready:
+            return self._deserialize(self._ready.popleft())
+        self._check_open()
+        peer = self._conn.peer
+        try:
+            if timeout is not None and timeout <= 0:
+                # the frames that have come, one by one, while bytes are there: a frame whose first
+                # bytes have come gets PARTIAL_FRAME_S for the rest
+                while not self._ready and (peer.reader.buffered or select.select([peer.sock], [], [], 0)[0]):
+                    peer.reader.deadline = time.monotonic() + PARTIAL_FRAME_S
+                    self._ready.extend(_read_frame(self._conn, self._sid, self._messages))
+                if not self._ready:
+                    return None
+            else:
+                peer.reader.deadline = None if timeout is None else time.monotonic() + timeout
+                self._ready.extend(_read_messages(self._conn, self._sid, self._messages))
+        except TimeoutError:
+            return None
+        except grpc.RpcError as exc:
+            raise self._failed(exc) from None
+        except (f.ConnectionClosed, f.ProtocolError, hpack.HPACKError, OSError) as exc:
+            raise self._failed(StreamError(grpc.StatusCode.UNAVAILABLE,
+                                           f"connection to {self.address} failed: {exc}")) from exc
+        finally:
+            peer.reader.deadline = None
+        return self._deserialize(self._ready.popleft())
+
+    def close(self) -> None:
+        """Half-close the stream and drop the connection; responses not read are lost."""
+        if self._sid is not None and not self._conn.broken:
+            try:
+                self._conn.peer.queue(f.frame(f.DATA, f.END_STREAM, self._sid))
+                self._conn.peer.flush()
+            except (f.ConnectionClosed, OSError):
+                pass
+        self._sid = None
+        self._conn.close()
+
+    def _check_open(self) -> None:
+        if self._sid is None:
+            raise StreamError(grpc.StatusCode.CANCELLED, "the stream is closed")
+
+    def _failed(self, exc: grpc.RpcError) -> grpc.RpcError:
+        self._sid = None
+        self._conn.close()
+        return exc

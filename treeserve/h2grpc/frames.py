@@ -102,6 +102,11 @@ class FrameReader:
     def defer(self, item) -> None:
         self._deferred.append(item)
 
+    @property
+    def buffered(self) -> bool:
+        """Whether frames or bytes of one wait here, read off the socket already."""
+        return bool(self._deferred or self._buf)
+
     def exact(self, n: int) -> bytes:
         """The next n bytes of the connection (the preface)."""
         self._fill(n)

@@ -33,6 +33,7 @@ from treeserve.errors import (ResourceExhausted, ServeError, Unauthenticated, Un
 from treeserve.h2grpc import frames as f
 from treeserve.h2grpc.peer import Peer, StreamReset
 from treeserve.server import MAX_MESSAGE_BYTES  # the main port's limit, in both directions
+from treeserve.server import number_argument
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,18 @@ HANDSHAKE_SECONDS = 10.0
 # a step loop's next request comes within this, at the cost of a busy core for as long
 POLL_SECONDS = 0.0005
 
+
+
+def add_arguments(p, methods: str) -> None:
+    """A service's `--direct-port` and `--direct-poll-us` options; `methods` names what the port
+    serves (for the help text)."""
+    p.add_argument("--direct-port", type=int, default=None,
+                   help=f"also serve {methods} on this port without grpcio's threads (a shorter round trip per "
+                        "step; 0 picks a free port; default: off). See docs/internals.md")
+    p.add_argument("--direct-poll-us", type=number_argument("microseconds", 1e6), default=POLL_SECONDS * 1e6,
+                   metavar="US",
+                   help="how long a direct-port connection polls for its next request before it sleeps (a busy "
+                        f"core meanwhile, a faster next step; 0: never; default {POLL_SECONDS * 1e6:g})")
 
 
 @dataclass(frozen=True)

@@ -307,7 +307,7 @@ class DraftResponse(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ..., committed_length: _Optional[int] = ..., tree: _Optional[_Union[TokenTree, _Mapping]] = ..., from_draft_ahead: _Optional[bool] = ..., draft_ms: _Optional[float] = ...) -> None: ...
 
 class DrafterStats(_message.Message):
-    __slots__ = ("strategy", "active_sequences", "trees", "draft_ahead_hits", "draft_ahead_misses", "mean_draft_ms", "saved_draft_ms")
+    __slots__ = ("strategy", "active_sequences", "trees", "draft_ahead_hits", "draft_ahead_misses", "mean_draft_ms", "saved_draft_ms", "direct_port")
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TREES_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +315,7 @@ class DrafterStats(_message.Message):
     DRAFT_AHEAD_MISSES_FIELD_NUMBER: _ClassVar[int]
     MEAN_DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     SAVED_DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_PORT_FIELD_NUMBER: _ClassVar[int]
     strategy: str
     active_sequences: int
     trees: int
@@ -322,7 +323,8 @@ class DrafterStats(_message.Message):
     draft_ahead_misses: int
     mean_draft_ms: float
     saved_draft_ms: float
-    def __init__(self, strategy: _Optional[str] = ..., active_sequences: _Optional[int] = ..., trees: _Optional[int] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., mean_draft_ms: _Optional[float] = ..., saved_draft_ms: _Optional[float] = ...) -> None: ...
+    direct_port: int
+    def __init__(self, strategy: _Optional[str] = ..., active_sequences: _Optional[int] = ..., trees: _Optional[int] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., mean_draft_ms: _Optional[float] = ..., saved_draft_ms: _Optional[float] = ..., direct_port: _Optional[int] = ...) -> None: ...
 
 class SpeculationOptions(_message.Message):
     __slots__ = ("mode", "draft", "adaptive")

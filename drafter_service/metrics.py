@@ -28,6 +28,8 @@ def _prometheus():
                 "hit_rate": Gauge("treeserve_drafter_ahead_hit_rate", "Draft-ahead hits / (hits + misses)"),
                 "active": Gauge("treeserve_drafter_active_sequences", "Sequences with draft state"),
                 "expired": Counter("treeserve_drafter_idle_expired_total", "Sequences ended by the idle sweep"),
+                "direct": Gauge("treeserve_drafter_direct_connections",
+                                "Open connections on the direct port (--direct-port; 0 without one)"),
             }
         return _collectors
 
@@ -85,3 +87,7 @@ class DrafterMetrics:
 
     def expired(self) -> None:
         _prometheus()["expired"].inc()
+
+    def direct_connections(self, count) -> None:
+        """`count()`: the direct port's open connections, read at each scrape."""
+        _prometheus()["direct"].set_function(count)

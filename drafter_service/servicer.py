@@ -163,7 +163,14 @@ class DrafterServer:
             self.direct = DirectServer(direct_address, self.servicer.direct_methods(), auth_token=auth_token,
                                        poll_s=direct_poll_s).start()
             self.servicer.direct_port = self.direct.port
-        self.server.start()
+            direct = self.direct
+            drafter.metrics.direct_connections(lambda: direct.connections)
+        try:
+            self.server.start()
+        except BaseException:
+            if self.direct is not None:
+                self.direct.stop(grace=0.0)
+            raise
         self.port = self.server.port
         self.direct_port = self.direct.port if self.direct is not None else None
 
@@ -171,11 +178,12 @@ class DrafterServer:
         """Serve until SIGTERM/SIGINT, then shut down gracefully."""
         self.server.wait()  # the direct port's streams end at their next message meanwhile
         if self.direct is not None:
-            self.direct.stop(grace=1.0)
+            self.direct.stop(grace=min(1.0, self.server.grace_s))
 
     def stop(self, grace: float | None = None) -> None:
+        """grace: as `treeserve.server.Server.stop` (None: the server's own)."""
         if self.direct is not None:
-            self.direct.stop(grace=1.0)
+            self.direct.stop(grace=min(1.0, self.server.grace_s if grace is None else grace))
         self.server.stop(grace)
 
 

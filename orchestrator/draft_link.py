@@ -23,8 +23,12 @@ stream's reading and writing itself: it writes its requests, reads the answers w
 `take` (and those that came meanwhile before each `request`), and sends the request a sequence
 wanted while it was being started again (the link's worker thread only makes the unary calls). An
 answer so reaches the engine with no hand-off between threads, and the connection, which is not
-thread-safe, has one user. Otherwise it is grpcio's stream: requests go through a queue to
-grpcio's sending thread, and a reader thread of the link receives the answers.
+thread-safe, is read and written by one thread; another that gives the link up (the worker, after a
+failed call, or `shutdown`) only aborts it (a socket shutdown, which wakes a read in progress), and
+the engine's thread closes it. Whatever the stream does (an answer that does not parse, a broken
+connection), `request` and `take` do not raise: the link goes down and reconnects. Otherwise it is
+grpcio's stream: requests go through a queue to grpcio's sending thread, and a reader thread of the
+link receives the answers.
 """
 from __future__ import annotations
 
@@ -58,6 +62,9 @@ MAX_PENDING_ENDS = 1024
 # Direct port: while a sequence of the batch is being started again, how often `take` stops reading
 # to send the request it wants once the worker has started it
 SYNC_POLL_S = 0.001
+# How long the connection to a drafter's direct port (and its first SETTINGS) may take before the
+# link takes grpcio's stream instead, as the main port's connect allows
+DIRECT_CONNECT_S = 2.0
 
 
 @dataclass
@@ -132,6 +139,8 @@ class DraftLink:
         self._send_q: Optional[queue.Queue] = None
         self._call = None  # the Speculate stream (grpcio's)
         self._direct: Optional[DirectStream] = None  # or the stream on the drafter's direct port
+        # direct streams the link has given up: aborted (from whatever thread), closed by the engine's
+        self._retired: list[DirectStream] = []
         self._stub = None
         self._channel = None
         self._work: queue.Queue = queue.Queue()
@@ -172,6 +181,9 @@ class DraftLink:
         """Ask for the tree to verify at committed `length` with root `root`. Returns whether an
         answer may come (the engine then waits for it in `take`)."""
         with self._cv:
+            seq = self._seqs.get(sid)
+            if seq is not None:
+                seq.wanted = None  # this request supersedes one it wanted while it was started again
             self._catch_up_locked()
             seq = self._seqs.get(sid)
             if seq is None or not self._up:
@@ -246,7 +258,7 @@ class DraftLink:
         try:
             resp = stream.read(timeout)
             failure = None
-        except grpc.RpcError as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever the drafter sends, the engine's step goes on
             resp, failure = None, exc
         finally:
             self._cv.acquire()
@@ -258,12 +270,18 @@ class DraftLink:
             return False
         if resp is None:
             return False
-        self._on_response(resp, generation)
+        try:
+            self._on_response(resp, generation)
+        except Exception:  # noqa: BLE001
+            log.exception("drafter %s: an answer could not be taken in", self.address)
+            self._mark_down_locked()
         return True
 
     def _catch_up_locked(self) -> None:
-        """Direct port: take in the answers that have come already, and send the requests that
-        sequences started again meanwhile want."""
+        """Direct port: close the streams given up, take in the answers that have come already,
+        and send the requests that sequences started again meanwhile want."""
+        while self._retired:
+            self._retired.pop().close()
         while self._direct is not None and self._read_unlocked(0.0):
             pass
         self._send_wanted_locked()
@@ -294,7 +312,7 @@ class DraftLink:
             return
         try:
             self._direct.write(req)
-        except grpc.RpcError as exc:
+        except Exception as exc:  # noqa: BLE001 - a failed write ends the stream, never the engine's step
             log.warning("drafter %s stream ended: %s", self.address, _describe(exc))
             self._mark_down_locked()
 
@@ -307,7 +325,10 @@ class DraftLink:
             if self._call is not None:
                 self._call.cancel()  # a hung drafter must not keep the old reader blocked
             if self._direct is not None:
-                self._direct.close()
+                # this may be any thread, and the engine's may be reading it: a socket shutdown wakes
+                # that read; the engine's thread closes it
+                self._direct.abort()
+                self._retired.append(self._direct)
                 self._direct = None
             if not self._closed:
                 self._work.put(("connect",))
@@ -393,7 +414,8 @@ class DraftLink:
         address = f"{self.address.rpartition(':')[0]}:{port}"
         try:
             return DirectStream(address, SPECULATE_PATH, lambda m: m.SerializeToString(), pb.DraftResponse.FromString,
-                                auth_token=self._token, send_timeout=self._timeout)
+                                auth_token=self._token, send_timeout=self._timeout,
+                                connect_timeout=DIRECT_CONNECT_S)
         except grpc.RpcError as exc:
             log.warning("drafter %s advertises direct port %d, which does not answer (%s): Speculate over gRPC "
                         "instead", self.address, port, _describe(exc))
@@ -501,7 +523,7 @@ class DraftLink:
             self._cv.notify_all()
 
 
-def _describe(exc: grpc.RpcError) -> str:
+def _describe(exc: BaseException) -> str:
     try:
         return f"{exc.code().name}: {exc.details()}"
     except Exception:  # noqa: BLE001

@@ -535,6 +535,49 @@ def test_stream_read_without_waiting_takes_only_what_has_come(direct, release, s
         s.close()
 
 
+def test_stream_read_without_a_limit_waits_after_a_timed_read(direct, release, started):
+    """read(None) waits as long as it takes, whatever timeout an earlier read left on the socket."""
+    s = open_stream(direct.port)
+    try:
+        s.write(b"slow x")
+        assert started.wait(WAIT_S)
+        assert s.read(0.01) is None
+        timer = threading.Timer(0.5, release.set)
+        timer.start()
+        t0 = time.monotonic()
+        assert s.read(None) == b"echo:slow x"
+        assert time.monotonic() - t0 >= 0.4
+    finally:
+        s.close()
+
+
+def test_stream_response_that_does_not_parse_ends_it(direct):
+    def strict(b: bytes) -> bytes:
+        if not b.startswith(b"echo:ok"):
+            raise ValueError("not a response")
+        return b
+
+    s = DirectStream(f"127.0.0.1:{direct.port}", STREAM, identity, strict)
+    s.write(b"ok")
+    s.write(b"bad")
+    assert s.read(WAIT_S) == b"echo:ok"
+    with pytest.raises(grpc.RpcError) as info:
+        s.read(WAIT_S)
+    assert info.value.code() == grpc.StatusCode.INTERNAL and not s.open
+
+
+def test_stream_abort_from_another_thread_wakes_a_read(direct, started):
+    s = open_stream(direct.port)
+    s.write(b"slow y")
+    assert started.wait(WAIT_S)
+    threading.Timer(0.2, s.abort).start()
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        s.read(WAIT_S)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 2.0
+    assert not s.open
+
+
 def test_stream_error_status_ends_it(direct):
     s = open_stream(direct.port)
     s.write(b"a")

@@ -202,3 +202,87 @@ def test_a_drafter_without_a_direct_port_gets_grpcs_stream(drafter):
     finally:
         link.shutdown()
         server.stop(grace=0)
+
+
+def test_an_answer_that_does_not_parse_takes_the_link_down_not_the_engine(drafter):
+    """The third answer on the direct port is garbage: `take` and `request` do not raise, the link
+    reconnects, and drafting resumes."""
+    from drafter_service.servicer import SERVICE
+    from treeserve.h2grpc.server import Method
+
+    server = serve(drafter, "127.0.0.1:0", direct_address="127.0.0.1:0")
+    path = f"/{SERVICE}/Speculate"
+    answer, calls = server.direct.methods[path].handle, []
+
+    def garbled(message, call):
+        calls.append(1)
+        return b"\xff\xff\xff" if len(calls) == 3 else answer(message, call)
+
+    server.direct.methods[path] = Method(garbled, streaming=True)
+    log = {"s": list(REPEAT)}
+    link = DraftLink(f"127.0.0.1:{server.port}", lambda sid: log[sid][:-1] if sid in log else None,
+                     vocab_size=1000, max_tree_nodes=16, call_timeout=5.0)
+    try:
+        link.open("s", pb.SamplingParams(), pb.DraftOptions(shape=pb.TREE_SHAPE_NGRAM, node_budget=8, max_depth=4))
+        wait_until(lambda: link.up and link._seqs["s"].state == "ready", what="the sequence started")
+        for _ in range(2):
+            assert draft_step(link, log)[1] is not None
+            log["s"].append(REPEAT[len(log["s"]) % 3])
+        assert draft_step(link, log) == (True, None)  # the garbage: no tree, no exception
+        assert link.stats.reconnects == 1
+        wait_until(lambda: link.stats.reconnects == 2 and link.up and link._seqs["s"].state == "ready",
+                   what="the link back")
+        log["s"].append(REPEAT[len(log["s"]) % 3])
+        assert draft_step(link, log)[1] is not None
+    finally:
+        link.shutdown()
+        server.stop(grace=0)
+
+
+def test_a_link_given_up_by_another_thread_wakes_a_take_at_once(drafter, direct):
+    """The worker thread marks the link down while the engine's thread waits in `take` for a slow
+    drafter: the wait ends then, not at its timeout."""
+    import threading
+
+    server, link, log = direct
+    slow = SlowDrafts(drafter)
+    slow.delay = 3.0
+    n = len(log["s"])
+    assert link.request("s", n - 1, log["s"][-1], 8, None)
+
+    def give_up():
+        time.sleep(0.2)
+        with link._cv:
+            link._mark_down_locked()
+
+    threading.Thread(target=give_up, daemon=True).start()
+    t0 = time.monotonic()
+    assert link.take({"s": n - 1}, 5.0) == {}
+    assert time.monotonic() - t0 < 1.5
+    slow.delay = 0.0
+
+
+def test_a_request_made_after_a_slow_restart_supersedes_the_one_wanted_during_it(drafter, direct):
+    """A sequence asked for a tree while the drafter was starting it again, and by the time the
+    start is done the engine has moved on: the newer request goes out, not the stale one."""
+    server, link, log = direct
+    assert draft_step(link, log)[1] is not None
+    start = drafter.start
+    started = []
+
+    def slow_start(*args, **kwargs):
+        time.sleep(0.3)
+        out = start(*args, **kwargs)
+        started.append(1)
+        return out
+
+    drafter.start = slow_start
+    resyncs = link.stats.resyncs
+    link._work.put(("start", "s"))  # as after the drafter lost it
+    wait_until(lambda: link._seqs["s"].state == "syncing", what="restarting")
+    log["s"].append(7)
+    assert link.request("s", len(log["s"]) - 1, 7, 8, None)  # wanted once the start is done
+    wait_until(lambda: started and link.stats.resyncs == resyncs + 1, what="the restart done")
+    log["s"].append(8)
+    asked, tree = draft_step(link, log)
+    assert asked and tree is not None and tree.tokens[0] == 8

@@ -53,8 +53,9 @@ class Services:
         self.direct_metrics = f"http://{vip}:{stack.free_port()}/metrics"
         self.drafter = f"{dip}:{stack.free_port()}"
         # the drafter serves Speculate on a direct port as well (as under `serve`): a killed and
-        # restarted drafter is found again there
+        # restarted drafter is found again there; its metrics count the port's connections
         self.drafter_direct_port = stack.free_port()
+        self.drafter_metrics = f"http://{dip}:{stack.free_port()}/metrics"
         self.children = {}
 
     def _where(self, host):
@@ -71,7 +72,9 @@ class Services:
     def start_drafter(self):
         port = self.drafter.rsplit(":", 1)[1]
         self.children["d"] = c = stack.drafter(self.drafter_model, port=port,
-                                               extra=("--direct-port", str(self.drafter_direct_port)),
+                                               extra=("--direct-port", str(self.drafter_direct_port),
+                                                      "--metrics-port",
+                                                      self.drafter_metrics.rsplit(":", 1)[1].split("/")[0]),
                                                **self._where(self.d_host))
         return c
 
@@ -159,17 +162,25 @@ def test_replicas_share_load(services, client, reference, prompt):
     assert all(a - b >= 4 for a, b in zip(after, before)), (before, after)
 
 
+def metric(url: str, name: str) -> float:
+    """The value of an unlabelled Prometheus metric at `url`."""
+    import urllib.request
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    [line] = [ln for ln in text.splitlines() if ln.startswith(name + " ")]
+    return float(line.split()[1])
+
+
 def test_the_engine_of_a_replica_with_a_direct_port_takes_it(services):
     """Replica 0 advertises a direct port and its engine (in its Ray actor, across the network
     link when there is one) holds a connection to it; replica 1 advertises none. Both served the
-    load-sharing test's requests with the reference's tokens."""
-    import urllib.request
-
+    load-sharing test's requests with the reference's tokens. The engines' draft links hold
+    connections to the drafter's direct port."""
     assert stack.verifier_stats(services.verifiers[0]).direct_port > 0
     assert stack.verifier_stats(services.verifiers[1]).direct_port == 0
-    text = urllib.request.urlopen(services.direct_metrics, timeout=10).read().decode()
-    [line] = [ln for ln in text.splitlines() if ln.startswith("treeserve_verifier_direct_connections ")]
-    assert float(line.split()[1]) >= 1, line
+    assert metric(services.direct_metrics, "treeserve_verifier_direct_connections") >= 1
+    assert stack.drafter_stats(services.drafter).direct_port == services.drafter_direct_port
+    assert metric(services.drafter_metrics, "treeserve_drafter_direct_connections") >= 1
 
 
 def test_drafter_killed_mid_generation(services, client, reference, prompt):
@@ -198,6 +209,8 @@ def test_drafter_killed_mid_generation(services, client, reference, prompt):
     stack.wait_until(drafted_again, 60, "trees from the restarted drafter")
     stats = stack.drafter_stats(services.drafter)
     assert stats.trees > 0 and stats.direct_port == services.drafter_direct_port
+    # the engine's link came back on the restarted drafter's direct port
+    assert metric(services.drafter_metrics, "treeserve_drafter_direct_connections") >= 1
 
 
 def test_verifier_failures_move_and_resume(services, client, reference, prompt):

@@ -48,11 +48,12 @@ class _ClientPeer(Peer):
 class _Connection:
     """One socket to the server, its HTTP/2 state, and at most one open stream."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, connect_timeout: float = CONNECT_TIMEOUT_S):
         host, _, port = address.rpartition(":")
         self.authority = address
+        self.connect_timeout = connect_timeout
         try:
-            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S)
+            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=connect_timeout)
         except OSError as exc:
             raise StreamError(grpc.StatusCode.UNAVAILABLE, f"cannot connect to {address}: {exc}") from exc
         sock.settimeout(None)
@@ -66,7 +67,7 @@ class _Connection:
         when the server does not answer as HTTP/2."""
         try:
             self.peer.flush()
-            self.peer.sock.settimeout(CONNECT_TIMEOUT_S)
+            self.peer.sock.settimeout(self.connect_timeout)
             ftype, flags, _, payload, _ = self.peer.reader.read()  # the server's SETTINGS
             self.peer.sock.settimeout(None)
             if ftype != f.SETTINGS or flags & f.ACK:
@@ -97,10 +98,16 @@ class _StreamOver(StreamError):
     """The server ended or reset the stream (nothing is left to reset at this end)."""
 
 
+class _ReadTimedOut(Exception):
+    """No whole frame came within the socket's timeout or the reader's deadline: what was read
+    stays buffered for the next read. (A TimeoutError instead means a write timed out, part of a
+    frame may have gone, and the connection is unusable.)"""
+
+
 def _read_messages(conn: _Connection, sid: int, messages: f.MessageBuffer) -> list[bytes]:
     """Read frames of `conn` until stream `sid` delivers one or more whole messages (returned).
     The server's end of the stream raises _StreamOver with its status; the socket's timeout (or
-    its reader's deadline) raises TimeoutError, with what was read kept for the next call."""
+    its reader's deadline) raises _ReadTimedOut, with what was read kept for the next call."""
     while True:
         out = _read_frame(conn, sid, messages)
         if out:
@@ -111,8 +118,11 @@ def _read_frame(conn: _Connection, sid: int, messages: f.MessageBuffer) -> list[
     """Read one frame of `conn` and act on it: the whole messages of stream `sid` it completes (none
     for most frames). Raises as `_read_messages` does."""
     peer = conn.peer
-    ftype, flags, stream, payload, flow = peer.reader.read()
-    if peer.control(ftype, flags, stream, payload):
+    try:
+        ftype, flags, stream, payload, flow = peer.reader.read()
+    except TimeoutError:
+        raise _ReadTimedOut() from None
+    if peer.control(ftype, flags, stream, payload):  # may write (an ACK, windows): its TimeoutError passes
         return []
     if ftype == f.DATA:
         peer.received(stream, flow, stream_open=stream == sid and not flags & f.END_STREAM)
@@ -228,7 +238,7 @@ class DirectStreamSession:
         try:
             peer.reader.deadline = deadline
             messages = _read_messages(self._conn, self._sid, self._messages)
-        except TimeoutError:
+        except _ReadTimedOut:
             raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no response within {timeout:g} s") from None
         finally:
             peer.reader.deadline = None
@@ -276,19 +286,21 @@ class DirectStream:
     requests at once: `write(request)` sends at once; `read(timeout)` returns the next response (in
     request order, as the server answers them) or None when none came within `timeout` seconds.
     A late response stays readable: the stream is not ended for it. `serialize(request) -> bytes`,
-    `deserialize(bytes) -> response`. One thread uses it at a time (the caller's lock); it has no
-    thread of its own, so a response costs its reader no hand-off. Any failure (the server's
-    status, a broken connection) raises a grpc.RpcError and ends the stream: `open` is then False
-    and the caller makes a new one."""
+    `deserialize(bytes) -> response`. One thread writes and reads (it has no thread of its own, so a
+    response costs its reader no hand-off); any other thread may only `abort()` it. Any failure
+    (the server's status, a broken connection, a response that does not parse) raises a
+    grpc.RpcError and ends the stream: `open` is then False and the caller makes a new one."""
 
     def __init__(self, address: str, path: str, serialize: Callable, deserialize: Callable,
-                 auth_token: str | None = None, send_timeout: float = CONNECT_TIMEOUT_S):
-        """send_timeout: how long a write may wait for the server to take its bytes."""
+                 auth_token: str | None = None, send_timeout: float = CONNECT_TIMEOUT_S,
+                 connect_timeout: float = CONNECT_TIMEOUT_S):
+        """send_timeout: how long a write may wait for the server to take its bytes;
+        connect_timeout: how long the connection and the server's first SETTINGS may take."""
         self.address = address
         self._serialize = serialize
         self._deserialize = deserialize
         self._send_timeout = send_timeout
-        self._conn = _Connection(address)
+        self._conn = _Connection(address, connect_timeout)
         try:
             self._conn.handshake(address)
             self._sid: int | None = self._conn.open_stream(path, f"Bearer {auth_token}" if auth_token else None)
@@ -326,32 +338,56 @@ class DirectStream:
     def read(self, timeout: float | None):
         """The next response, or None when none came within `timeout` seconds (0: only what has
         arrived already; None: wait as long as it takes)."""
-        if self._ready:
-            return self._deserialize(self._ready.popleft())
-        self._check_open()
-        peer = self._conn.peer
+        if not self._ready:
+            self._check_open()
+            try:
+                self._read_some(timeout)
+            except _ReadTimedOut:
+                return None
+            except grpc.RpcError as exc:
+                raise self._failed(exc) from None
+            except (TimeoutError, f.ConnectionClosed, f.ProtocolError, hpack.HPACKError, OSError, ValueError) as exc:
+                raise self._failed(StreamError(grpc.StatusCode.UNAVAILABLE,
+                                               f"connection to {self.address} failed: {exc}")) from exc
+            finally:
+                self._conn.peer.reader.deadline = None
+            if not self._ready:
+                return None
+        message = self._ready.popleft()
         try:
-            if timeout is not None and timeout <= 0:
-                # the frames that have come, one by one, while bytes are there: a frame whose first
-                # bytes have come gets PARTIAL_FRAME_S for the rest
-                while not self._ready and (peer.reader.buffered or select.select([peer.sock], [], [], 0)[0]):
-                    peer.reader.deadline = time.monotonic() + PARTIAL_FRAME_S
-                    self._ready.extend(_read_frame(self._conn, self._sid, self._messages))
-                if not self._ready:
-                    return None
-            else:
-                peer.reader.deadline = None if timeout is None else time.monotonic() + timeout
-                self._ready.extend(_read_messages(self._conn, self._sid, self._messages))
-        except TimeoutError:
-            return None
-        except grpc.RpcError as exc:
-            raise self._failed(exc) from None
-        except (f.ConnectionClosed, f.ProtocolError, hpack.HPACKError, OSError) as exc:
-            raise self._failed(StreamError(grpc.StatusCode.UNAVAILABLE,
-                                           f"connection to {self.address} failed: {exc}")) from exc
-        finally:
-            peer.reader.deadline = None
-        return self._deserialize(self._ready.popleft())
+            return self._deserialize(message)
+        except Exception as exc:  # noqa: BLE001 - a response that does not parse ends the stream
+            raise self._failed(StreamError(grpc.StatusCode.INTERNAL, f"a response that does not parse: {exc}")) \
+                from exc
+
+    def _read_some(self, timeout: float | None) -> None:
+        """Read frames into `_ready`: with `timeout` 0, only those that have come (a frame whose
+        first bytes have come gets PARTIAL_FRAME_S for the rest); else until a message comes."""
+        peer = self._conn.peer
+        if timeout is not None and timeout <= 0:
+            while not self._ready and (peer.reader.buffered or self._bytes_waiting()):
+                peer.reader.deadline = time.monotonic() + PARTIAL_FRAME_S
+                self._ready.extend(_read_frame(self._conn, self._sid, self._messages))
+            return
+        if timeout is None:
+            peer.sock.settimeout(None)  # the reader sets it only under a deadline
+        peer.reader.deadline = None if timeout is None else time.monotonic() + timeout
+        self._ready.extend(_read_messages(self._conn, self._sid, self._messages))
+
+    def _bytes_waiting(self) -> bool:
+        """Whether the socket has bytes to read (or an end or error to report) right now. poll, not
+        select: select cannot watch descriptors past 1023."""
+        poller = select.poll()
+        poller.register(self._conn.peer.sock, select.POLLIN)
+        return bool(poller.poll(0))
+
+    def abort(self) -> None:
+        """End the connection from any thread: a read blocked in another thread wakes and fails."""
+        self._sid = None
+        try:
+            self._conn.peer.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def close(self) -> None:
         """Half-close the stream and drop the connection; responses not read are lost."""

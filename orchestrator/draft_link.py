@@ -141,6 +141,10 @@ class DraftLink:
         self._direct: Optional[DirectStream] = None  # or the stream on the drafter's direct port
         # direct streams the link has given up: aborted (from whatever thread), closed by the engine's
         self._retired: list[DirectStream] = []
+        self._direct_answered = False  # whether the direct stream has answered anything yet
+        # a direct port that refused the stream itself (a status, not a broken link, before any
+        # answer: e.g. UNIMPLEMENTED): later connects take grpcio's stream instead of looping on it
+        self._direct_refused: Optional[str] = None
         self._stub = None
         self._channel = None
         self._work: queue.Queue = queue.Queue()
@@ -266,10 +270,16 @@ class DraftLink:
             return False  # the link went down meanwhile (and the stream with it)
         if failure is not None:
             log.warning("drafter %s stream ended: %s", self.address, _describe(failure))
+            if (isinstance(failure, grpc.RpcError) and failure.code() not in LINK_FAILURES
+                    and not self._direct_answered):
+                self._direct_refused = stream.address
+                log.warning("drafter %s: its direct port %s refuses Speculate: grpcio's stream from now on",
+                            self.address, stream.address)
             self._mark_down_locked()
             return False
         if resp is None:
             return False
+        self._direct_answered = True
         try:
             self._on_response(resp, generation)
         except Exception:  # noqa: BLE001
@@ -389,6 +399,7 @@ class DraftLink:
             self._send_q = send_q
             self._call = responses
             self._direct = direct
+            self._direct_answered = False
             self._up = True
             generation = self._generation
             sids = list(self._seqs)
@@ -412,6 +423,8 @@ class DraftLink:
         if not port:
             return None
         address = f"{self.address.rpartition(':')[0]}:{port}"
+        if address == self._direct_refused:
+            return None
         try:
             return DirectStream(address, SPECULATE_PATH, lambda m: m.SerializeToString(), pb.DraftResponse.FromString,
                                 auth_token=self._token, send_timeout=self._timeout,

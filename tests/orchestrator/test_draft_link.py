@@ -286,3 +286,28 @@ def test_a_request_made_after_a_slow_restart_supersedes_the_one_wanted_during_it
     log["s"].append(8)
     asked, tree = draft_step(link, log)
     assert asked and tree is not None and tree.tokens[0] == 8
+
+
+def test_a_direct_port_that_refuses_the_stream_is_left_for_grpcs(drafter):
+    """The drafter advertises a direct port that does not serve Speculate (UNIMPLEMENTED): the link
+    does not reconnect to it over and over, it takes grpcio's stream and drafts there."""
+    from drafter_service.servicer import SERVICE
+
+    server = serve(drafter, "127.0.0.1:0", direct_address="127.0.0.1:0")
+    del server.direct.methods[f"/{SERVICE}/Speculate"]
+    log = {"s": list(REPEAT)}
+    link = DraftLink(f"127.0.0.1:{server.port}", lambda sid: log[sid][:-1] if sid in log else None,
+                     vocab_size=1000, max_tree_nodes=16, call_timeout=5.0)
+    try:
+        link.open("s", pb.SamplingParams(), pb.DraftOptions(shape=pb.TREE_SHAPE_NGRAM, node_budget=8, max_depth=4))
+        wait_until(lambda: link.up and link._seqs["s"].state == "ready", what="the sequence started")
+        assert link.speculate_address == f"127.0.0.1:{server.direct_port}"
+        assert draft_step(link, log, timeout=1.0)[1] is None  # refused (as soon as it opened, or now)
+        wait_until(lambda: link.up and link._seqs["s"].state == "ready", what="the link back")
+        assert link.speculate_address == f"127.0.0.1:{server.port}"
+        log["s"].append(REPEAT[len(log["s"]) % 3])
+        assert draft_step(link, log)[1] is not None
+        assert link.stats.reconnects == 2
+    finally:
+        link.shutdown()
+        server.stop(grace=0)

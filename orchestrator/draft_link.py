@@ -142,6 +142,8 @@ class DraftLink:
         # direct streams the link has given up: aborted (from whatever thread), closed by the engine's
         self._retired: list[DirectStream] = []
         self._direct_answered = False  # whether the direct stream has answered anything yet
+        # direct port: sequences started again whose wanted request the engine's thread is to send
+        self._restarted: set[str] = set()
         # a direct port that refused the stream itself (a status, not a broken link, before any
         # answer: e.g. UNIMPLEMENTED): later connects take grpcio's stream instead of looping on it
         self._direct_refused: Optional[str] = None
@@ -297,13 +299,15 @@ class DraftLink:
         self._send_wanted_locked()
 
     def _send_wanted_locked(self) -> None:
-        for sid, seq in list(self._seqs.items()):
-            if self._direct is None:
-                return
-            if seq.state == READY and seq.wanted is not None and seq.inflight is None:
-                wanted, seq.wanted = seq.wanted, None
-                if wanted[0] >= seq.known:
-                    self._send_locked(sid, seq, wanted[0], wanted[1], wanted[2], None)
+        """Direct port: send what the sequences the worker has started again wanted meanwhile."""
+        while self._restarted and self._direct is not None:
+            sid = self._restarted.pop()
+            seq = self._seqs.get(sid)
+            if seq is None or seq.state != READY or seq.wanted is None or seq.inflight is not None:
+                continue  # gone, down again, or superseded by a newer request
+            wanted, seq.wanted = seq.wanted, None
+            if wanted[0] >= seq.known:
+                self._send_locked(sid, seq, wanted[0], wanted[1], wanted[2], None)
 
     def _send_locked(self, sid, seq: _Seq, length: int, root: int, budget: int, outcome: Outcome | None) -> None:
         tokens = self._tokens_of(sid)
@@ -344,6 +348,7 @@ class DraftLink:
                 self._work.put(("connect",))
         for seq in self._seqs.values():
             seq.state, seq.inflight, seq.result, seq.wanted = SYNCING, None, None, None
+        self._restarted.clear()
         self.lagging = False
         self._cv.notify_all()
 
@@ -490,7 +495,8 @@ class DraftLink:
                 wanted, seq.wanted = seq.wanted, None
                 if wanted is not None and wanted[0] >= seq.known:
                     self._send_locked(sid, seq, wanted[0], wanted[1], wanted[2], None)
-            # on the direct port the engine's thread sends `wanted` (`_send_wanted_locked`)
+            else:  # on the direct port the engine's thread sends `wanted` (`_send_wanted_locked`)
+                self._restarted.add(sid)
             self._cv.notify_all()
 
     def _read(self, responses, generation: int) -> None:

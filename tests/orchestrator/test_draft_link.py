@@ -1,6 +1,7 @@
 """The orchestrator's drafter link: an EndSequence that cannot reach the drafter is kept (a bounded
 queue) and sent once the link is back, unless the id was opened again meanwhile; a drafter that
 refuses the stream is not reconnected to in a tight loop."""
+import contextlib
 import time
 
 import pytest
@@ -107,17 +108,29 @@ class SlowDrafts:
         return self.inner(call)
 
 
-@pytest.fixture
-def direct(drafter):
-    server = serve(drafter, "127.0.0.1:0", direct_address="127.0.0.1:0")
+@contextlib.contextmanager
+def ngram_link(server):
+    """A link to `server` drafting n-gram trees for one sequence "s" whose log starts as REPEAT:
+    yields (link, log) once the sequence is started; shut down after."""
     log = {"s": list(REPEAT)}
     link = DraftLink(f"127.0.0.1:{server.port}", lambda sid: log[sid][:-1] if sid in log else None,
                      vocab_size=1000, max_tree_nodes=16, call_timeout=5.0)
-    link.open("s", pb.SamplingParams(), pb.DraftOptions(shape=pb.TREE_SHAPE_NGRAM, node_budget=8, max_depth=4))
-    wait_until(lambda: link.up and link._seqs["s"].state == "ready", what="the sequence started")
-    yield server, link, log
-    link.shutdown()
-    server.stop(grace=0)
+    try:
+        link.open("s", pb.SamplingParams(), pb.DraftOptions(shape=pb.TREE_SHAPE_NGRAM, node_budget=8, max_depth=4))
+        wait_until(lambda: link.up and link._seqs["s"].state == "ready", what="the sequence started")
+        yield link, log
+    finally:
+        link.shutdown()
+
+
+@pytest.fixture
+def direct(drafter):
+    server = serve(drafter, "127.0.0.1:0", direct_address="127.0.0.1:0")
+    try:
+        with ngram_link(server) as (link, log):
+            yield server, link, log
+    finally:
+        server.stop(grace=0)
 
 
 def draft_step(link: DraftLink, log: dict, timeout: float = 5.0):
@@ -191,16 +204,11 @@ def test_a_drafter_back_on_a_new_direct_port_is_found_again(drafter, direct):
 
 def test_a_drafter_without_a_direct_port_gets_grpcs_stream(drafter):
     server = serve(drafter, "127.0.0.1:0")
-    log = {"s": list(REPEAT)}
-    link = DraftLink(f"127.0.0.1:{server.port}", lambda sid: log[sid][:-1] if sid in log else None,
-                     vocab_size=1000, max_tree_nodes=16, call_timeout=5.0)
     try:
-        link.open("s", pb.SamplingParams(), pb.DraftOptions(shape=pb.TREE_SHAPE_NGRAM, node_budget=8, max_depth=4))
-        wait_until(lambda: link.up and link._seqs["s"].state == "ready", what="the sequence started")
-        assert link.speculate_address == f"127.0.0.1:{server.port}"
-        assert draft_step(link, log)[1] is not None
+        with ngram_link(server) as (link, log):
+            assert link.speculate_address == f"127.0.0.1:{server.port}"
+            assert draft_step(link, log)[1] is not None
     finally:
-        link.shutdown()
         server.stop(grace=0)
 
 
@@ -219,23 +227,18 @@ def test_an_answer_that_does_not_parse_takes_the_link_down_not_the_engine(drafte
         return b"\xff\xff\xff" if len(calls) == 3 else answer(message, call)
 
     server.direct.methods[path] = Method(garbled, streaming=True)
-    log = {"s": list(REPEAT)}
-    link = DraftLink(f"127.0.0.1:{server.port}", lambda sid: log[sid][:-1] if sid in log else None,
-                     vocab_size=1000, max_tree_nodes=16, call_timeout=5.0)
     try:
-        link.open("s", pb.SamplingParams(), pb.DraftOptions(shape=pb.TREE_SHAPE_NGRAM, node_budget=8, max_depth=4))
-        wait_until(lambda: link.up and link._seqs["s"].state == "ready", what="the sequence started")
-        for _ in range(2):
-            assert draft_step(link, log)[1] is not None
+        with ngram_link(server) as (link, log):
+            for _ in range(2):
+                assert draft_step(link, log)[1] is not None
+                log["s"].append(REPEAT[len(log["s"]) % 3])
+            assert draft_step(link, log) == (True, None)  # the garbage: no tree, no exception
+            assert link.stats.reconnects == 1
+            wait_until(lambda: link.stats.reconnects == 2 and link.up and link._seqs["s"].state == "ready",
+                       what="the link back")
             log["s"].append(REPEAT[len(log["s"]) % 3])
-        assert draft_step(link, log) == (True, None)  # the garbage: no tree, no exception
-        assert link.stats.reconnects == 1
-        wait_until(lambda: link.stats.reconnects == 2 and link.up and link._seqs["s"].state == "ready",
-                   what="the link back")
-        log["s"].append(REPEAT[len(log["s"]) % 3])
-        assert draft_step(link, log)[1] is not None
+            assert draft_step(link, log)[1] is not None
     finally:
-        link.shutdown()
         server.stop(grace=0)
 
 
@@ -295,19 +298,14 @@ def test_a_direct_port_that_refuses_the_stream_is_left_for_grpcs(drafter):
 
     server = serve(drafter, "127.0.0.1:0", direct_address="127.0.0.1:0")
     del server.direct.methods[f"/{SERVICE}/Speculate"]
-    log = {"s": list(REPEAT)}
-    link = DraftLink(f"127.0.0.1:{server.port}", lambda sid: log[sid][:-1] if sid in log else None,
-                     vocab_size=1000, max_tree_nodes=16, call_timeout=5.0)
     try:
-        link.open("s", pb.SamplingParams(), pb.DraftOptions(shape=pb.TREE_SHAPE_NGRAM, node_budget=8, max_depth=4))
-        wait_until(lambda: link.up and link._seqs["s"].state == "ready", what="the sequence started")
-        assert link.speculate_address == f"127.0.0.1:{server.direct_port}"
-        assert draft_step(link, log, timeout=1.0)[1] is None  # refused (as soon as it opened, or now)
-        wait_until(lambda: link.up and link._seqs["s"].state == "ready", what="the link back")
-        assert link.speculate_address == f"127.0.0.1:{server.port}"
-        log["s"].append(REPEAT[len(log["s"]) % 3])
-        assert draft_step(link, log)[1] is not None
-        assert link.stats.reconnects == 2
+        with ngram_link(server) as (link, log):
+            assert link.speculate_address == f"127.0.0.1:{server.direct_port}"
+            assert draft_step(link, log, timeout=1.0)[1] is None  # refused (as soon as it opened, or now)
+            wait_until(lambda: link.up and link._seqs["s"].state == "ready", what="the link back")
+            assert link.speculate_address == f"127.0.0.1:{server.port}"
+            log["s"].append(REPEAT[len(log["s"]) % 3])
+            assert draft_step(link, log)[1] is not None
+            assert link.stats.reconnects == 2
     finally:
-        link.shutdown()
         server.stop(grace=0)

@@ -313,6 +313,9 @@ class DirectStream:
             raise StreamError(grpc.StatusCode.UNAVAILABLE, f"connection to {address} failed: {exc}") from exc
         self._messages = f.MessageBuffer(MAX_MESSAGE_BYTES)
         self._ready: deque[bytes] = deque()  # responses read off the socket, not yet returned
+        # poll, not select: select cannot watch descriptors past 1023
+        self._poller = select.poll()
+        self._poller.register(self._conn.peer.sock, select.POLLIN)
 
     @property
     def open(self) -> bool:
@@ -375,11 +378,8 @@ class DirectStream:
         self._ready.extend(_read_messages(self._conn, self._sid, self._messages))
 
     def _bytes_waiting(self) -> bool:
-        """Whether the socket has bytes to read (or an end or error to report) right now. poll, not
-        select: select cannot watch descriptors past 1023."""
-        poller = select.poll()
-        poller.register(self._conn.peer.sock, select.POLLIN)
-        return bool(poller.poll(0))
+        """Whether the socket has bytes to read (or an end or error to report) right now."""
+        return bool(self._poller.poll(0))
 
     def abort(self) -> None:
         """End the connection from any thread: a read blocked in another thread wakes and fails."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Optional
 
 import ray
@@ -23,6 +24,7 @@ from orchestrator.request import Event, RequestSpec
 log = logging.getLogger("treeserve.orchestrator.router")
 
 _UNAVAILABLE = 14
+DRAIN_POLL_S = 1.0  # how long one `EngineActor.drain` call waits for events
 
 
 class Inbox:
@@ -100,11 +102,22 @@ class Router:
     def limits(self) -> Optional[dict]:
         return ray.get(self.coordinator.limits.remote())
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 3 * DRAIN_POLL_S) -> bool:
+        """Stop the readers and wait (at most `timeout`) until they have ended; each ends within
+        one drain poll. Ray must not be shut down under a thread still blocked in `ray.get`: that
+        can crash the whole process. True when every reader has ended."""
         self._stopped.set()
+        with self._lock:  # `_ensure_reader` starts none once the flag is set
+            readers = list(self._readers.values())
+        deadline = time.monotonic() + timeout
+        for t in readers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in readers)
 
     def _ensure_reader(self, engine: str) -> None:
         with self._lock:
+            if self._stopped.is_set():
+                return
             t = self._readers.get(engine)
             if t is not None and t.is_alive():
                 return
@@ -120,10 +133,12 @@ class Router:
             return
         while not self._stopped.is_set():
             try:
-                events = ray.get(handle.drain.remote(self.front, 1.0))
+                events = ray.get(handle.drain.remote(self.front, DRAIN_POLL_S))
             except SystemExit:  # what Ray raises here when this process shuts it down
                 return
             except Exception as exc:  # noqa: BLE001 - RayActorError and friends: the engine died
+                if self._stopped.is_set():
+                    return
                 log.warning("engine %s unreachable: %s", engine, exc)
                 self._fail_engine(engine, f"engine {engine} died")
                 return

@@ -140,7 +140,7 @@ class Orchestrator:
     def shutdown_ray(self) -> None:
         import ray
 
-        if self._router is not None:
-            self._router.stop()
+        if self._router is not None and not self._router.stop():
+            log.warning("a reader of the engines' events is still waiting on Ray as Ray shuts down")
         if ray.is_initialized():
             ray.shutdown()

@@ -128,3 +128,27 @@ def test_a_dead_engine_leaves_the_rotation(deployment, client):
     assert client.cancel("busy-again")
     busy.join()
     wait_until(lambda: registered(orch) == {survivor: 0, victim: 0}, 30, "both replicas idle")
+
+
+def test_stopping_a_router_ends_its_readers(deployment):
+    """`Router.stop` returns only once its reader threads have left `ray.get`: Ray shut down
+    under a thread still blocked in it can crash the process (the orchestrator stops its router
+    just before `ray.shutdown`)."""
+    from orchestrator.request import RequestSpec, Speculation
+    from orchestrator.router import Router
+    from treeserve.sampling import Sampling
+
+    router = Router(NAMESPACE, "a-second-front")
+    spec = RequestSpec("second-front", tuple(PROMPT), Sampling(), 50, Speculation(mode="off", adaptive=False),
+                       router.front)
+    inbox, error = router.submit(spec)
+    assert error is None, error
+    assert inbox.get(timeout=120) is not None  # its engine's reader runs
+    readers = list(router._readers.values())
+    assert readers and all(t.is_alive() for t in readers)
+    assert router.cancel("second-front")
+    assert router.stop()
+    assert not any(t.is_alive() for t in readers)
+    router._ensure_reader(inbox.engine)  # a stopped router starts no reader
+    assert not any(t.is_alive() for t in router._readers.values())
+    wait_until(lambda: set(registered(deployment[0]).values()) == {0}, 30, "idle replicas")

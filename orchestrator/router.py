@@ -10,6 +10,7 @@ client that retries with the same id is not told the id is still live.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -17,6 +18,7 @@ import time
 from typing import Optional
 
 import ray
+from ray.exceptions import GetTimeoutError
 
 from orchestrator.names import COORDINATOR
 from orchestrator.request import Event, RequestSpec
@@ -25,6 +27,8 @@ log = logging.getLogger("treeserve.orchestrator.router")
 
 _UNAVAILABLE = 14
 DRAIN_POLL_S = 1.0  # how long one `EngineActor.drain` call waits for events
+DRAIN_SLACK_S = 1.0  # and how much longer a reader waits for its answer before it checks for `stop`
+STOP_TIMEOUT_S = 5.0  # how long `Router.stop` waits for the threads in Ray to leave it
 
 
 class Inbox:
@@ -57,12 +61,22 @@ class Inbox:
             return None
 
 
+class _Stopped(Exception):
+    """The router is stopping: it makes no new call into Ray."""
+
+
 class Router:
+    """Every call into Ray goes through `_calling_ray`, which counts it and refuses new ones once
+    `stop` has begun, so that `stop` can wait until no thread of this process is inside Ray: Ray
+    shut down under a thread blocked in `ray.get` (or starting a `.remote`) can crash the process."""
+
     def __init__(self, namespace: str, front: str):
         self.front = front
         self._ns = namespace
         self.coordinator = ray.get_actor(COORDINATOR, namespace=namespace)
         self._lock = threading.Lock()
+        self._left_ray = threading.Condition(self._lock)
+        self._in_ray = 0  # threads inside a Ray call now
         self._inboxes: dict[str, Inbox] = {}
         self._readers: dict[str, threading.Thread] = {}
         self._stopped = threading.Event()
@@ -75,7 +89,10 @@ class Router:
                 return None, (6, f"request id {spec.request_id!r} is already live")
             self._inboxes[spec.request_id] = inbox
         try:
-            engine, error = ray.get(self.coordinator.submit.remote(spec))
+            with self._calling_ray():
+                engine, error = ray.get(self.coordinator.submit.remote(spec))
+        except _Stopped:
+            error, engine = (_UNAVAILABLE, "this front is shutting down"), None
         except Exception as exc:  # noqa: BLE001 - the coordinator itself is gone
             error, engine = (_UNAVAILABLE, f"coordinator unavailable: {exc}"), None
         if error is not None:
@@ -87,7 +104,10 @@ class Router:
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
         try:
-            return bool(ray.get(self.coordinator.cancel.remote(request_id, reason), timeout=10))
+            with self._calling_ray():
+                return bool(ray.get(self.coordinator.cancel.remote(request_id, reason), timeout=10))
+        except _Stopped:
+            return False
         except Exception:  # noqa: BLE001
             log.exception("cancel of %s failed", request_id)
             return False
@@ -99,20 +119,32 @@ class Router:
             if self._inboxes.get(inbox.request_id) is inbox:
                 del self._inboxes[inbox.request_id]
 
-    def limits(self) -> Optional[dict]:
-        return ray.get(self.coordinator.limits.remote())
-
-    def stop(self, timeout: float = 3 * DRAIN_POLL_S) -> bool:
-        """Stop the readers and wait (at most `timeout`) until they have ended; each ends within
-        one drain poll. Ray must not be shut down under a thread still blocked in `ray.get`: that
-        can crash the whole process. True when every reader has ended."""
-        self._stopped.set()
-        with self._lock:  # `_ensure_reader` starts none once the flag is set
-            readers = list(self._readers.values())
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> bool:
+        """Make no new call into Ray and wait (at most `timeout`) until no thread is in one and the
+        readers have ended (each within one drain poll). True when both happened in time."""
         deadline = time.monotonic() + timeout
+        with self._lock:
+            self._stopped.set()  # under the lock: `_ensure_reader` and `_calling_ray` see it there
+            readers = list(self._readers.values())
+            self._left_ray.wait_for(lambda: self._in_ray == 0, timeout)
         for t in readers:
             t.join(max(0.0, deadline - time.monotonic()))
-        return not any(t.is_alive() for t in readers)
+        with self._lock:
+            return self._in_ray == 0 and not any(t.is_alive() for t in readers)
+
+    @contextlib.contextmanager
+    def _calling_ray(self):
+        """Counts the call in; raises `_Stopped` once `stop` has begun."""
+        with self._lock:
+            if self._stopped.is_set():
+                raise _Stopped
+            self._in_ray += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_ray -= 1
+                self._left_ray.notify_all()
 
     def _ensure_reader(self, engine: str) -> None:
         with self._lock:
@@ -123,22 +155,30 @@ class Router:
                 return
             t = threading.Thread(target=self._read, args=(engine,), name=f"reader-{engine}", daemon=True)
             self._readers[engine] = t
-        t.start()
+            t.start()  # under the lock: `stop` never sees a reader that has not started
 
     def _read(self, engine: str) -> None:
         try:
-            handle = ray.get_actor(engine, namespace=self._ns)
+            with self._calling_ray():
+                handle = ray.get_actor(engine, namespace=self._ns)
+        except _Stopped:
+            return
         except ValueError:
             self._fail_engine(engine, "engine is gone")
             return
-        while not self._stopped.is_set():
+        pending = None  # a drain call not answered yet: asked again, never sent twice (it takes events)
+        while True:
             try:
-                events = ray.get(handle.drain.remote(self.front, DRAIN_POLL_S))
-            except SystemExit:  # what Ray raises here when this process shuts it down
+                with self._calling_ray():
+                    if pending is None:
+                        pending = handle.drain.remote(self.front, DRAIN_POLL_S)
+                    events = ray.get(pending, timeout=DRAIN_POLL_S + DRAIN_SLACK_S)
+                pending = None
+            except (_Stopped, SystemExit):  # SystemExit: what Ray raises here when it shuts down
                 return
+            except GetTimeoutError:  # a busy engine: wait on, letting a `stop` in between
+                continue
             except Exception as exc:  # noqa: BLE001 - RayActorError and friends: the engine died
-                if self._stopped.is_set():
-                    return
                 log.warning("engine %s unreachable: %s", engine, exc)
                 self._fail_engine(engine, f"engine {engine} died")
                 return
@@ -154,12 +194,24 @@ class Router:
                 inbox.deliver(ev)
 
     def _fail_engine(self, engine: str, message: str) -> None:
+        """Fail the requests of a dead engine, once the coordinator has dropped it. Those filed
+        under its name after the snapshot (submitted meanwhile, perhaps to an engine registered
+        again under the name) get a reader of their own, which finds out which."""
+        with self._lock:
+            lost = [i for i in self._inboxes.values() if i.engine == engine]
         try:
-            ray.get(self.coordinator.check_engine.remote(engine), timeout=15)
+            with self._calling_ray():
+                ray.get(self.coordinator.check_engine.remote(engine), timeout=15)
+        except _Stopped:
+            pass
         except Exception:  # noqa: BLE001 - the requests fail all the same
             log.exception("could not report engine %s to the coordinator", engine)
         with self._lock:
-            lost = [i for i in self._inboxes.values() if i.engine == engine]
-            self._readers.pop(engine, None)
+            if self._readers.get(engine) is threading.current_thread():
+                del self._readers[engine]
+            failed = {id(i) for i in lost}
+            newer = any(i.engine == engine and id(i) not in failed for i in self._inboxes.values())
         for inbox in lost:
             inbox.fail(_UNAVAILABLE, message)
+        if newer:
+            self._ensure_reader(engine)

@@ -133,14 +133,16 @@ class Orchestrator:
         self.shutdown_ray()
 
     def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop(grace=1.0)
-        self.shutdown_ray()
+        try:
+            if self.server is not None:
+                self.server.stop(grace=1.0)
+        finally:
+            self.shutdown_ray()
 
     def shutdown_ray(self) -> None:
         import ray
 
         if self._router is not None and not self._router.stop():
-            log.warning("a reader of the engines' events is still waiting on Ray as Ray shuts down")
+            log.warning("a thread of this front is still inside a Ray call as Ray shuts down")
         if ray.is_initialized():
             ray.shutdown()

@@ -35,12 +35,16 @@ def deployment(tiny_pair):
                                                tokenizer=str(tiny_pair[0]), quiet=True)).start()
         yield orch, replicas
     finally:
-        if orch is not None:
-            orch.stop()
-        if ray.is_initialized():
-            ray.shutdown()
-        if verifier is not None:
-            verifier.stop()
+        try:
+            if orch is not None:
+                orch.stop()
+        finally:
+            try:
+                if ray.is_initialized():
+                    ray.shutdown()
+            finally:
+                if verifier is not None:
+                    verifier.stop()
 
 
 @pytest.fixture(scope="module")

@@ -102,10 +102,10 @@ class _Replica:
     draining: bool = False
 
 
-@ray.remote(num_cpus=0, max_concurrency=64)
-class Coordinator:
-    """`defaults`: the EngineConfig every replica's engine starts from (drafter address, timeouts,
-    service token); `register` fills in the verifier address."""
+class CoordinatorCore:
+    """The coordinator's logic, a plain class (`Coordinator` is it as a Ray actor). `defaults`:
+    the EngineConfig every replica's engine starts from (drafter address, timeouts, service
+    token); `register` fills in the verifier address."""
 
     def __init__(self, namespace: str, defaults: EngineConfig, log_level: str = "INFO"):
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -200,7 +200,7 @@ class Coordinator:
                 return rep.name, None
             self._unreserve(rep, spec.request_id)
             error = tuple(refusal)
-            if refusal[0] != _EXHAUSTED:
+            if refusal[0] not in (_EXHAUSTED, _UNAVAILABLE):  # full or stopping: another replica may take it
                 break
         return None, error
 
@@ -208,7 +208,8 @@ class Coordinator:
         """Count the request on `rep` before asking its engine (undone on refusal), so concurrent
         submissions never overfill it."""
         with self._lock:
-            if rep.load >= rep.capacity:
+            # `rep` may have been retired or replaced since the submission looked at the replicas
+            if rep.load >= rep.capacity or rep.draining or self._replicas.get(rep.verifier) is not rep:
                 return False
             rep.load += 1
             self._where[request_id] = rep.verifier
@@ -351,6 +352,9 @@ class Coordinator:
         finally:
             ray.kill(rep.engine)
         log.info("unregistered verifier %s", verifier)
+
+
+Coordinator = ray.remote(num_cpus=0, max_concurrency=64)(CoordinatorCore)
 
 
 def _node_of(host: str) -> Optional[str]:

@@ -34,7 +34,6 @@ import queue
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -232,7 +231,7 @@ class Engine:
         self._moved: OrderedDict[str, str] = OrderedDict()  # request id -> engine it moved to
         self._endings = Endings(self.hooks, self.outbox)
         self._stop = threading.Event()
-        self._background = ThreadPoolExecutor(2, thread_name_prefix="engine-bg")
+        self._releases: list = []  # Release calls of ended requests' sequences (grpc futures)
         self.steps = 0
         self.link = None
         if config.drafter:
@@ -255,7 +254,6 @@ class Engine:
             self._stream.close()
         if self.link is not None:
             self.link.shutdown()
-        self._background.shutdown(wait=False)
 
     @property
     def load(self) -> int:
@@ -267,6 +265,8 @@ class Engine:
         if err is not None:
             return err
         with self._count_lock:
+            if self._stop.is_set():  # its loop would never run it
+                return grpc.StatusCode.UNAVAILABLE.value[0], f"the engine of replica {self.config.verifier} is stopping"
             if self._count >= self.info.max_sequences:
                 return (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
                         f"replica {self.config.verifier} is full ({self.info.max_sequences} sequences)")
@@ -280,7 +280,7 @@ class Engine:
     def adopt(self, state: RequestState) -> bool:
         """Continue a request that another replica lost (re-prefilled from its log)."""
         with self._count_lock:
-            if self._count >= self.info.max_sequences or self._down_since is not None:
+            if self._count >= self.info.max_sequences or self._down_since is not None or self._stop.is_set():
                 return False
             self._count += 1
         state.needs_prefill, state.pending_commit, state.awaiting_draft = True, None, False
@@ -470,6 +470,7 @@ class Engine:
     def _prefill(self, todo: list[RequestState]) -> None:
         if not todo:
             return
+        self._await_releases()
         calls = []
         for r in todo:
             prompt = r.tokens[:-1] if r.started else r.tokens
@@ -559,7 +560,7 @@ class Engine:
             if self.link is not None:
                 self.link.close(rid, end=False)
             self._remember_move(rid, taken[rid])
-            self.outbox.put(r.spec.front, [Event(rid, -1, moved_to=taken[rid])])
+            self.outbox.put(r.spec.front, [Event(rid, -1, moved_to=taken[rid], admission=r.spec.admission)])
 
     def _remember_move(self, request_id: str, engine: str) -> None:
         """Cancels already on their way here follow the request (`_cancel`); later ones go to the
@@ -691,15 +692,21 @@ class Engine:
         self._endings.put(r.spec.front, last)
 
     def _release_async(self, vid: str) -> None:
-        stub = self._stub
+        """Release an ended request's sequence without waiting for the answer (the next prefill
+        does: `_await_releases`)."""
+        self._releases = [f for f in self._releases if not f.done()]
+        self._releases.append(self._stub.Release.future(pb.ReleaseRequest(sequence_id=vid), timeout=RELEASE_TIMEOUT_S))
 
-        def release():
+    def _await_releases(self) -> None:
+        """Before a prefill, the verifier has freed the slots of the requests that ended (each
+        Release within RELEASE_TIMEOUT_S): a full replica's next request would otherwise find no
+        slot (RESOURCE_EXHAUSTED), and a request id reused at once could meet its old sequence."""
+        pending, self._releases = self._releases, []
+        for call in pending:
             try:
-                stub.Release(pb.ReleaseRequest(sequence_id=vid), timeout=5.0)
+                call.result()
             except grpc.RpcError:
                 pass  # a replica that is down has lost the sequence anyway
-
-        self._background.submit(release)
 
     def _emit(self, events: list[Event], r: RequestState) -> None:
         self.outbox.put(r.spec.front, events)

@@ -36,7 +36,7 @@ from treeserve.v1 import treeserve_pb2_grpc as pbg
 
 log = logging.getLogger("treeserve.orchestrator.generation")
 
-MAX_REQUEST_ID_BYTES = 96  # the verifier's sequence id adds "#<epoch>" and allows 128
+MAX_REQUEST_ID_BYTES = 96  # the verifier's sequence id adds "#<admission>.<epoch>" (8 + 2 + digits) and allows 128
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 STOP_WAIT_S = 5.0  # longest wait, after a stop string, for the engine to end the request
@@ -156,6 +156,8 @@ class GenerationServicer(pbg.GenerationServicer):
                 tail = stream.finish()
                 chunk.token_ids += tail.token_ids
                 chunk.text += tail.text
+                if tail.stopped:  # the stop string's last characters waited for the rest of a character
+                    finish = pb.FINISH_REASON_STOP
             if chunk.token_ids and not sent:
                 m.first_token.observe(time.perf_counter() - t0)
             sent += len(chunk.token_ids)

@@ -125,7 +125,17 @@ class OutputStream:
         ids = [int(t) for t in ids]
         if self._detok is None:
             return Chunk(ids, "")
-        return self._advance(ids, self._detok.push(ids))
+        # One id at a time, so that each has its own span of text: a step of several tokens whose
+        # text holds a stop string must not release the ids after the stop.
+        out = Chunk([], "")
+        for t in ids:
+            chunk = self._advance([t], self._detok.push([t]))
+            out.token_ids += chunk.token_ids
+            out.text += chunk.text
+            if chunk.stopped:
+                out.stopped = True
+                break
+        return out
 
     def finish(self) -> Chunk:
         """Flush at the end of generation (when no stop string ended it)."""

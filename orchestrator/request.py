@@ -9,7 +9,8 @@ rebuilt from `tokens[:-1]` and any drafter from the same list.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
 from typing import Optional
 
 from treeserve.sampling import Sampling
@@ -49,6 +50,10 @@ class RequestSpec:
     max_new_tokens: int
     speculation: Speculation
     front: str
+    # this submission's own mark: a request id reused at once never names the verifier sequence
+    # of the request that had it before (whose Release may not have been served yet), and the
+    # front files no late event of that request under the new one
+    admission: str = field(default_factory=lambda: secrets.token_hex(4))
 
 
 # Finish reasons on the engine side (the front maps them to pb.FinishReason).
@@ -70,6 +75,7 @@ class Event:
     finish: Optional[str] = None
     error: Optional[tuple[int, str]] = None  # (grpc status code number, message)
     moved_to: Optional[str] = None
+    admission: str = ""  # the submission's (`RequestSpec.admission`)
 
     @property
     def last(self) -> bool:
@@ -106,9 +112,9 @@ class RequestState:
 
     @property
     def vid(self) -> str:
-        """The verifier's sequence id: a fresh one per prefill, so a re-prefill never collides
-        with a stale copy the old replica might still hold."""
-        return f"{self.spec.request_id}#{self.epoch}"
+        """The verifier's sequence id: a fresh one per submission and per prefill, so neither a
+        reused request id nor a re-prefill collides with a stale copy a replica might still hold."""
+        return f"{self.spec.request_id}#{self.spec.admission}.{self.epoch}"
 
     @property
     def committed(self) -> int:
@@ -124,6 +130,6 @@ class RequestState:
         return self.spec.max_new_tokens - self.generated
 
     def next_event(self, **kw) -> Event:
-        ev = Event(self.request_id, self.seq, forwards=self.forwards, **kw)
+        ev = Event(self.request_id, self.seq, forwards=self.forwards, admission=self.spec.admission, **kw)
         self.seq += 1
         return ev

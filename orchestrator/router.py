@@ -34,8 +34,9 @@ STOP_TIMEOUT_S = 5.0  # how long `Router.stop` waits for the threads in Ray to l
 class Inbox:
     """A request's events, in order."""
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, admission: str = ""):
         self.request_id = request_id
+        self.admission = admission
         self.engine: Optional[str] = None
         self._q: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -83,7 +84,7 @@ class Router:
 
     def submit(self, spec: RequestSpec) -> tuple[Optional[Inbox], Optional[tuple[int, str]]]:
         """(inbox, None) or (None, (grpc code number, message))."""
-        inbox = Inbox(spec.request_id)
+        inbox = Inbox(spec.request_id, spec.admission)
         with self._lock:
             if spec.request_id in self._inboxes:
                 return None, (6, f"request id {spec.request_id!r} is already live")
@@ -185,7 +186,7 @@ class Router:
             for ev in events:
                 with self._lock:
                     inbox = self._inboxes.get(ev.request_id)
-                if inbox is None:
+                if inbox is None or ev.admission != inbox.admission:  # gone, or a late event of the id's last user
                     continue
                 if ev.moved_to is not None:
                     inbox.engine = ev.moved_to

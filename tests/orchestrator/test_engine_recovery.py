@@ -211,3 +211,41 @@ def test_the_last_event_goes_out_after_the_finished_hook_returned(verifier):
         hooks.go.set()
         engine.stop()
     wait_until(lambda: verifier.active() == 0, 15, "every sequence released")
+
+
+def test_a_prefill_waits_for_the_releases_before_it(tiny_pair, monkeypatch):
+    """A replica of one slot, whose Releases take 0.5 s: a request submitted as another ends, and
+    one that reuses the ended request's id at once with another prompt, both run. Before, the
+    Release was not waited for: the first found no free slot (RESOURCE_EXHAUSTED) and the second
+    met the old sequence under the same id (FAILED_PRECONDITION)."""
+    from verifier_service.servicer import VerifierServicer
+
+    release = VerifierServicer.Release
+
+    def slow_release(self, request, context):
+        time.sleep(0.5)
+        return release(self, request, context)
+
+    monkeypatch.setattr(VerifierServicer, "Release", slow_release)
+    verifier = LocalVerifier(tiny_pair[0], max_sequences=1, max_sequence_length=128)
+    engine = engine_for(verifier.address, Hooks(), "one-slot")
+    events = Events(engine)
+    try:
+        for rid, prompt in (("a", PROMPT), ("b", PROMPT), ("b", PROMPT[::-1])):
+            assert engine.submit(RequestSpec(rid, prompt, Sampling(), 3, Speculation(mode="off", adaptive=False),
+                                             FRONT)) is None
+            events.pump_until(lambda: events.ended(rid), 60, f"the end of {rid}")
+            last = events.by_request.pop(rid)[-1]
+            assert last.error is None and last.finish == LENGTH, last
+    finally:
+        engine.stop()
+        verifier.stop()
+
+
+def test_a_stopped_engine_takes_no_request(verifier):
+    """Its loop has ended: a request it accepted would never run, and its id would stay live."""
+    engine = engine_for(verifier.address, Hooks(), "stopped")
+    engine.stop()
+    code, message = engine.submit(spec("late", 3))
+    assert code == 14 and "stopping" in message
+    assert engine.load == 0

@@ -264,3 +264,26 @@ def test_generate_reads_token_ids_or_refuses_them_in_one_line(capsys):
         with pytest.raises(SystemExit):
             p.parse_args(["--tokens", bad])
         assert "token ids" in capsys.readouterr().err
+
+
+class ByteTokenizer:
+    """Ids are byte strings: 1 'a', 2 a newline, 3 a newline and the first byte of a two-byte
+    character (so its text waits for the rest of that character)."""
+
+    pieces = {1: b"a", 2: b"\n", 3: b"\n\xc3"}
+
+    def decode(self, ids, **kw):
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def test_a_stop_string_found_only_when_the_text_is_flushed_is_a_stop():
+    """The request ends at its length on a step whose text completes the stop string "\\n\\n" and
+    ends inside a character: only the final flush sees the stop, and the client is told STOP."""
+    router = StandInRouter()
+    context = Context()
+    stream = generate(GenerationServicer(router, ByteTokenizer(), poll_s=0.05), "flush", context, stop=["\n\n"])
+    threading.Timer(0.1, lambda: router.inboxes["flush"].deliver(
+        Event("flush", 0, tokens=(1, 2, 3), forwards=1, finish=LENGTH))).start()
+    msgs = list(stream)
+    assert "".join(m.text for m in msgs) == "a"
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP

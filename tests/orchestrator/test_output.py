@@ -85,6 +85,28 @@ def test_output_stream_stops_before_the_stop_string(tok, stop):
     assert len(tok.decode(got_ids)) < len(got_text) + len(stop) + 8
 
 
+@pytest.mark.parametrize("step", [2, 3, 5])
+@pytest.mark.parametrize("stop", ["return", "\n", "a + b", "):\n"])
+def test_a_step_of_several_tokens_sends_what_single_tokens_would(tok, stop, step):
+    """A speculative step pushes several ids at once; around a stop string the client still gets
+    the same ids and text as from one token at a time (no id after the stop)."""
+    text = "def add(a, b):\n    return a + b\n"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+
+    def run(groups):
+        s = OutputStream(tok, [stop])
+        got_ids, got_text = [], ""
+        for group in groups:
+            c = s.push(group)
+            got_ids += c.token_ids
+            got_text += c.text
+            if c.stopped:
+                return got_ids, got_text
+        raise AssertionError("no stop")
+
+    assert run([ids[i:i + step] for i in range(0, len(ids), step)]) == run([[t] for t in ids])
+
+
 def test_output_stream_without_stop_releases_ids_with_their_text(tok):
     text = "héllo 世界 🙂\n"
     ids = tok(text, add_special_tokens=False)["input_ids"]

@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator import router as router_module
 from orchestrator.names import COORDINATOR
-from orchestrator.request import Event, RequestSpec, Speculation
+from orchestrator.request import CANCELLED, Event, RequestSpec, Speculation
 from orchestrator.router import Router
 from tests.orchestrator.stack import wait_until
 from treeserve.sampling import Sampling
@@ -103,6 +103,15 @@ def ray_api(monkeypatch):
     return api
 
 
+@pytest.fixture
+def router(ray_api):
+    """Stopped at the end, while the stand-in is still in place (also when the test failed)."""
+    r = Router("ns", "front")
+    yield r
+    ray_api.coordinator.hold.set()
+    r.stop()
+
+
 def spec(rid: str) -> RequestSpec:
     return RequestSpec(rid, (1, 2, 3), Sampling(), 8, Speculation(mode="off", adaptive=False), "front")
 
@@ -114,8 +123,7 @@ def in_thread(fn) -> tuple[threading.Thread, list]:
     return t, out
 
 
-def test_stop_waits_for_a_thread_inside_a_ray_call(ray_api):
-    router = Router("ns", "front")
+def test_stop_waits_for_a_thread_inside_a_ray_call(ray_api, router):
     ray_api.coordinator.hold.clear()
     canceller, cancelled = in_thread(lambda: router.cancel("r"))
     assert ray_api.coordinator.entered.wait(5)
@@ -128,8 +136,7 @@ def test_stop_waits_for_a_thread_inside_a_ray_call(ray_api):
     assert stopped == [True] and cancelled == [True]
 
 
-def test_stop_says_when_a_call_did_not_leave_ray_in_time(ray_api):
-    router = Router("ns", "front")
+def test_stop_says_when_a_call_did_not_leave_ray_in_time(ray_api, router):
     ray_api.coordinator.hold.clear()
     canceller, _ = in_thread(lambda: router.cancel("r"))
     assert ray_api.coordinator.entered.wait(5)
@@ -138,8 +145,7 @@ def test_stop_says_when_a_call_did_not_leave_ray_in_time(ray_api):
     canceller.join(10)
 
 
-def test_a_stopped_router_makes_no_ray_call(ray_api):
-    router = Router("ns", "front")
+def test_a_stopped_router_makes_no_ray_call(ray_api, router):
     inbox, error = router.submit(spec("before"))
     assert error is None
     reader = router._readers["E"]
@@ -151,8 +157,7 @@ def test_a_stopped_router_makes_no_ray_call(ray_api):
     assert not any(t.is_alive() for t in router._readers.values())
 
 
-def test_a_dead_engines_requests_fail_and_later_ones_get_a_reader(ray_api):
-    router = Router("ns", "front")
+def test_a_dead_engines_requests_fail_and_later_ones_get_a_reader(ray_api, router):
     old, _ = router.submit(spec("old"))
     first_reader = router._readers["E"]
     ray_api.coordinator.hold.clear()
@@ -165,9 +170,27 @@ def test_a_dead_engines_requests_fail_and_later_ones_get_a_reader(ray_api):
     ray_api.coordinator.hold.set()
     failed = old.get(timeout=10)
     assert failed.error is not None and failed.error[0] == UNAVAILABLE
-    ray_api.engines["E"].events.put(Event("new", 0, tokens=(7,)))
+    ray_api.engines["E"].events.put(Event("new", 0, tokens=(7,), admission=new.admission))
     delivered = new.get(timeout=10)
     assert delivered is not None and delivered.tokens == (7,)
     wait_until(lambda: router._readers.get("E") is not first_reader, 10, "a new reader")
     assert ray_api.coordinator.checked == ["E"]
+    assert router.stop() is True
+
+
+def test_a_late_event_of_an_ids_last_user_is_not_filed_under_its_next(ray_api, router):
+    """The id's first request ends (its client left); its client submits the id again at once, and
+    the first request's last event (CANCELLED) reaches the front after that: it is dropped, not
+    taken as the new request's end."""
+    first = spec("x")
+    inbox, _ = router.submit(first)
+    router.forget(inbox)
+    again = spec("x")
+    assert again.admission != first.admission
+    inbox, _ = router.submit(again)
+    outbox = ray_api.engines["E"].events
+    outbox.put(Event("x", 0, finish=CANCELLED, admission=first.admission))
+    outbox.put(Event("x", 0, tokens=(5,), admission=again.admission))
+    ev = inbox.get(timeout=10)
+    assert ev.tokens == (5,) and ev.finish is None
     assert router.stop() is True

@@ -1,0 +1,79 @@
+"""The coordinator's routing as a plain object (`actors.CoordinatorCore`, no Ray processes): the
+engines are stand-ins whose calls answer at once, and `ray.get` / `ray.kill` stand-ins in the
+module run them."""
+from __future__ import annotations
+
+import pytest
+
+from orchestrator import actors
+from orchestrator.request import RequestSpec, Speculation
+from treeserve.sampling import Sampling
+
+UNAVAILABLE = 14
+
+
+class Method:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class StandInEngine:
+    def __init__(self, refusal=None):
+        self.accepted: list[str] = []
+        self.stopped = False
+        self.refusal = refusal
+        self.submit = Method(self._submit)
+        self.shutdown = Method(lambda: setattr(self, "stopped", True))
+
+    def _submit(self, spec):
+        if self.refusal is not None:
+            return self.refusal
+        self.accepted.append(spec.request_id)
+        return None
+
+
+@pytest.fixture
+def coordinator(monkeypatch):
+    monkeypatch.setattr(actors.ray, "get", lambda value, timeout=None: value)
+    monkeypatch.setattr(actors.ray, "kill", lambda handle: None)
+    return actors.CoordinatorCore("ns", None)
+
+
+def replica(coordinator, verifier: str, engine: StandInEngine) -> None:
+    coordinator._replicas[verifier] = actors._Replica(verifier, engine, f"engine-{verifier}", 4, None)
+
+
+def spec(rid: str) -> RequestSpec:
+    return RequestSpec(rid, (1, 2), Sampling(), 4, Speculation(), "front")
+
+
+def test_a_replica_retired_during_a_submission_gets_no_request(coordinator):
+    """`unregister` of an idle replica (it retires at once) between the submission's look at the
+    replicas and its reservation: the request is not routed to the stopped engine, whose loop
+    would never run it while its id stayed live for good."""
+    engine = StandInEngine()
+    replica(coordinator, "v:1", engine)
+    reserve = coordinator._reserve
+
+    def unregister_first(rep, request_id):
+        coordinator.unregister("v:1")
+        return reserve(rep, request_id)
+
+    coordinator._reserve = unregister_first
+    engine_name, error = coordinator.submit(spec("x"))
+    assert engine_name is None and error is not None
+    assert engine.stopped and engine.accepted == []
+    assert coordinator._where == {}
+
+
+def test_an_engine_that_is_stopping_passes_the_request_on(coordinator):
+    """A replica whose engine says it is stopping (UNAVAILABLE) is skipped like a full one."""
+    stopping = StandInEngine(refusal=(UNAVAILABLE, "the engine is stopping"))
+    running = StandInEngine()
+    replica(coordinator, "v:1", stopping)
+    replica(coordinator, "v:2", running)
+    coordinator._replicas["v:2"].load = 1  # so the stopping one is tried first
+    engine_name, error = coordinator.submit(spec("x"))
+    assert (engine_name, error) == ("engine-v:2", None)
+    assert running.accepted == ["x"] and coordinator._where == {"x": "v:2"}
+    assert coordinator._replicas["v:1"].load == 0

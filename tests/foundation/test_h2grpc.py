@@ -8,6 +8,7 @@ deadlines, concurrent streams, malformed connections, the `grpc-timeout` encodin
 Everything is bytes in, bytes out (no serializers)."""
 from __future__ import annotations
 
+import errno
 import math
 import queue
 import random
@@ -1017,3 +1018,31 @@ def test_session_upload_ended_by_trailers_alone():
         hold.set()
         session.close()
         done.wait(WAIT_S)
+
+
+class _AcceptFailsOnce:
+    """A listening socket whose next accept fails as one does when the process has no file
+    descriptor left (EMFILE); every other call goes to the real socket."""
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+        self.failed = False
+
+    def accept(self):
+        if not self.failed:
+            self.failed = True
+            raise OSError(errno.EMFILE, "Too many open files")
+        return self._sock.accept()
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def test_a_failed_accept_does_not_stop_the_port(direct, open_channel):
+    """A port whose accept failed once (no descriptor left for a moment) goes on serving new
+    connections; before, its acceptor thread ended and later clients hung."""
+    failing = direct._listener = _AcceptFailsOnce(direct._listener)
+    for i in range(2):  # each on a new connection
+        channel = open_channel(direct.port, (("grpc.use_local_subchannel_pool", 1),))
+        assert unary(channel)(b"x%d" % i, timeout=WAIT_S) == b"unary:x%d" % i
+    assert failing.failed

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 MAX_CONCURRENT_STREAMS = 100
 MAX_CONNECTIONS = 256  # each has a thread of its own; more are refused (GOAWAY ENHANCE_YOUR_CALM)
+ACCEPT_RETRY_S = 0.05  # pause after a failed accept (e.g. no file descriptor left) before the next
 # How long a new connection has to send the client preface and its first SETTINGS: one that does
 # not is closed, so sockets that never speak HTTP/2 cannot hold every connection slot
 HANDSHAKE_SECONDS = 10.0
@@ -162,8 +163,14 @@ class DirectServer:
         while not self.stopping.is_set():
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return  # the listener was closed: stopping
+            except OSError as exc:
+                if self.stopping.is_set() or self._listener.fileno() < 0:
+                    return  # the listener was closed: stopping
+                # out of file descriptors, or a connection that failed while queued: the port
+                # must go on accepting once that passes
+                log.warning("h2grpc: accept failed (%s); accepting again shortly", exc)
+                time.sleep(ACCEPT_RETRY_S)
+                continue
             conn = _Connection(self, sock)
             with self._lock:
                 if self.stopping.is_set():

@@ -254,7 +254,7 @@ class Batcher:
         me = threading.get_ident()
         with self._lock:
             if (self._busy or self._queue or not self._started or self._stopped or not self._may_run(me)
-                    or not self._complete(names)):  # reads the table: safe, as no thread holds the model
+                    or not self._complete(names, {job.number})):  # reads the table: no thread holds the model
                 return False
             self._busy = True
             self._runners.add(me)
@@ -450,7 +450,9 @@ class Batcher:
         (the rest: operations, items that do not fit, the stop marker), waiting within the batching
         window while company is expected. Items whose caller is gone are answered on the way."""
         names: set[str] = set()
+        requests: set[int] = set()  # the request numbers of this batch's items
         nodes = 0
+        deferred = False  # an item was left for the next forward: that one is due anyway
         # the window opens when this batch can start: for an item that arrived while the model was
         # busy, that is now (else clients that fell out of step, each arriving during the other's
         # forward, would never share one again)
@@ -465,15 +467,17 @@ class Batcher:
                 w = entry.work
                 if w.sequence_id in names or nodes + w.tree.size > self.limits.max_batch_nodes:
                     later.append(entry)
+                    deferred = True
                 else:
                     batch.append(entry)
                     names.add(w.sequence_id)
+                    requests.add(entry.job.number)
                     nodes += w.tree.size
             if len(batch) >= self.limits.max_batch:
                 break
             entry = self._take(0.0)  # whatever is queued already joins
             if entry is None:
-                if not batch or self._complete(names):
+                if not batch or deferred or self._complete(names, requests):
                     break
                 entry = self._take(window_end - self._clock())
                 if entry is None:
@@ -494,19 +498,21 @@ class Batcher:
         item.job.deliver(item.index, ItemOutput(error=error))
         return True
 
-    def _complete(self, names: set[str]) -> bool:
+    def _complete(self, names: set[str], requests: set[int]) -> bool:
         """Whether waiting for more items is pointless. Company is expected only from a sequence of
         the previous forward that is still live, not in this batch, and came in a request that
-        none of this batch's sequences came in: a caller that sent it along with sequences it sends
-        again now, but left it out, is done with it (an orchestrator whose request just finished
-        and whose Release is still on its way). So a batch goes at once when every live sequence is
-        in it, when every sequence of the previous forward is back, and always for a caller that
-        sends all its sequences in one request."""
+        neither this batch's sequences nor its items came in: a caller that sent it along with
+        sequences it sends again now, but left it out, is done with it (an orchestrator whose
+        request just finished and whose Release is still on its way), and a request split over two
+        forwards (more items or nodes than one takes) has its other part behind this one. So a
+        batch goes at once when every live sequence is in it, when every sequence of the previous
+        forward is back, and always for a caller that sends all its sequences in one request.
+        `names`: the batch's sequence ids; `requests`: its items' request numbers."""
         table = self.engine.table
         if len(names) >= len(table):
             return True
         prev = self._last_batch
-        here = {prev[sid] for sid in names if sid in prev}
+        here = requests | {prev[sid] for sid in names if sid in prev}
         return not any(req not in here and sid not in names and sid in table for sid, req in prev.items())
 
     def _forward(self, batch: list[_Item], record: bool = True) -> BatchReport | None:

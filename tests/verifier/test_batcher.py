@@ -424,6 +424,32 @@ def test_after_a_burst_the_pool_gives_calls_to_threads_that_may_run_the_model(ma
         pool.shutdown()
 
 
+@pytest.mark.parametrize("limits, tree_nodes", [({"max_batch": 2}, 1), ({"max_batch_nodes": 20}, 10)],
+                         ids=["items", "nodes"])
+def test_a_request_split_over_forwards_does_not_wait_for_itself(make, limits, tree_nodes):
+    """One caller's request of three sequences, more than one forward takes, step after step: the
+    forward after a split never waits in the window for the part of the same request behind it
+    (it once took the other part for a caller still to come, and waited the whole window)."""
+    engine, batcher = make(batch_window_ms=60_000, **limits)
+    seqs = _prefill(engine, 3)
+    works = [VerifyWork(sid, L, TokenTree.chain([root] + [7] * (tree_nodes - 1))) for sid, L, root in seqs]
+    waits = []
+    take = batcher._take
+
+    def watched_take(timeout):
+        if timeout > 0:  # a wait for company, not a look at what is queued
+            waits.append(timeout)
+        return take(timeout)
+
+    batcher._take = watched_take
+    batcher.start()
+    for _ in range(3):
+        reply = batcher.verify(works).result(30)
+        assert all(o.error is None for o in reply.outputs)
+    assert engine.forward_passes == 6
+    assert waits == []
+
+
 def test_an_endless_window_waits_without_overflow_until_its_company_comes(make):
     """Limits built without validation (an infinite window): the window's wait is capped at what a
     lock wait takes (threading.TIMEOUT_MAX), where it once raised OverflowError on the thread

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter_service.draftlm import Gate
-from drafter_service.proposer import Draft, Proposer, draft_tree
+from drafter_service.proposer import Draft, Proposer, draft_tree, fits
 from drafter_service.state import Abandoned, DraftState
 from models.graphs import CAPTURE_LOCK
 from treeserve.tree import TokenTree
@@ -204,6 +204,9 @@ class Round:
             state.advance(job.appended)
             draft = draft_tree(self.proposer, state, job.prediction.bonus, self.budget, self.depth)
             build_ms = (time.perf_counter() - t0) * 1e3
+            if not fits(state, draft.tree):  # at the model's length: no forward for its predictions
+                state.release()
+                return None
             preds = predict(draft.tree, state.node_probs(draft.tree), self.config, state.picker.columns)
         except Abandoned:
             state.release()

@@ -6,6 +6,7 @@ import logging
 
 from drafter_service.limits import IDLE_TIMEOUT_S, MODEL_MAX_LEN, NGRAM_MAX_LEN
 from treeserve import cores
+from treeserve.errors import ServeError
 from treeserve.h2grpc import server as direct_port
 from treeserve.server import add_grace_argument, count_argument, number_argument
 
@@ -23,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed on startup)")
     p.add_argument("--shape", choices=("dynamic", "static", "chain", "ngram", "fused"), default=None,
-                   help="default tree shape (dynamic with a model, ngram without)")
+                   help="default tree shape (dynamic with a model, ngram without; every shape but ngram "
+                        "needs --model)")
     p.add_argument("--static-shape", default="stree-13",
                    help="static shape table: a preset name or per-level branching like '3,2-1,2-1,3'")
     p.add_argument("--node-budget", type=count_argument(1), default=16, help="default nodes per tree, root included")
@@ -94,9 +96,12 @@ def build(args: argparse.Namespace):
     shape = args.shape or ("dynamic" if model is not None else "ngram")
     defaults = Options(shape, args.node_budget, args.max_depth, not args.no_draft_ahead)
     ahead = None if args.no_draft_ahead else AheadConfig(args.ahead_trees, args.ahead_fanout)
-    return Drafter(model, defaults, max_sequences=args.max_sequences, max_nodes=args.max_nodes, ahead=ahead,
-                   static_table=table, support=args.support, max_len=args.max_len or NGRAM_MAX_LEN,
-                   idle_timeout_s=args.idle_timeout_s)
+    try:
+        return Drafter(model, defaults, max_sequences=args.max_sequences, max_nodes=args.max_nodes, ahead=ahead,
+                       static_table=table, support=args.support, max_len=args.max_len or NGRAM_MAX_LEN,
+                       idle_timeout_s=args.idle_timeout_s)
+    except ServeError as exc:  # the defaults the options give, refused as a request's would be
+        raise SystemExit(f"drafter: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,7 +35,7 @@ from drafter_service.fused import FusedProposer
 from drafter_service.limits import IDLE_TIMEOUT_S, NGRAM_MAX_LEN
 from drafter_service.metrics import DrafterMetrics
 from drafter_service.ngram import NgramProposer
-from drafter_service.proposer import Proposer, draft_tree
+from drafter_service.proposer import Proposer, draft_tree, fits
 from drafter_service.state import DraftState
 from drafter_service.static import STREE_13, ShapeTable, StaticProposer
 from treeserve.acceptance import Outcome
@@ -151,6 +151,7 @@ class Drafter:
         self.metrics = DrafterMetrics(self.strategy)
         self._seqs: dict[str, _Sequence] = {}
         self._starting: set[str] = set()
+        self._ended_while_starting: set[str] = set()  # of `_starting`: an EndSequence came meanwhile
         self._lock = threading.Lock()
         self._sweeper = None
         if idle_timeout_s > 0 and background_sweep:
@@ -228,6 +229,7 @@ class Drafter:
             except BaseException:
                 with self._lock:
                     self._starting.discard(sequence_id)
+                    self._ended_while_starting.discard(sequence_id)
                 raise
             self._install(_Sequence(sequence_id, options, proposer, state))
         return len(tokens)
@@ -252,16 +254,25 @@ class Drafter:
         seq.last_used = self._clock()
         with self._lock:
             self._starting.discard(seq.id)
-            displaced = self._seqs.pop(seq.id, None)
-            self._seqs[seq.id] = seq
+            if seq.id in self._ended_while_starting:  # an EndSequence came during the start: it ends now
+                self._ended_while_starting.discard(seq.id)
+                displaced, seq = seq, None
+            else:
+                displaced = self._seqs.pop(seq.id, None)
+                self._seqs[seq.id] = seq
             self.metrics.active(len(self._seqs))
         if displaced is not None:
             with displaced.lock:
                 displaced.close()
 
     def end(self, sequence_id: str) -> bool:
+        """End a sequence; one still being started (its StartSequence is running) ends as soon as
+        that start is done, instead of staying until the idle sweep."""
         with self._lock:
             seq = self._seqs.pop(sequence_id, None)
+            if seq is None and sequence_id in self._starting:
+                self._ended_while_starting.add(sequence_id)
+                return True
             self.metrics.active(len(self._seqs))
         if seq is None:
             return False
@@ -352,7 +363,9 @@ class Drafter:
         if had_round:
             self.metrics.ahead(hit is not None, (hit.build_ms - draft_ms) if hit is not None else 0.0)
         self.metrics.tree(seq.options.shape, draft.tree.size, draft_ms)
-        if self.worker is not None and seq.options.draft_ahead and seq.proposer.uses_model:
+        # draft-ahead runs a forward over the tree: none for a tree past the model's length
+        if self.worker is not None and seq.options.draft_ahead and seq.proposer.uses_model \
+                and fits(seq.state, draft.tree):
             seq.round = Round(seq.state, draft.tree, seq.proposer, budget, depth, self.ahead,
                               predictions=hit.predictions if hit is not None else None)
             self.worker.submit(seq.round)

@@ -49,6 +49,15 @@ def draft_tree(proposer: Proposer, state: "DraftState", root: int, budget: int, 
     draft-ahead both go through here, so both cut the same way."""
     room = state.room()
     if room is not None:
+        if room < 1:  # the root itself has no position left: nothing to run the model on
+            return Draft(TokenTree.single(root))
         budget = max(1, min(budget, room))
         depth = max(0, min(depth, room - 1))
     return proposer.propose(state, root, budget, depth)
+
+
+def fits(state: "DraftState", tree: TokenTree) -> bool:
+    """Whether a forward over `tree` placed after the state's committed tokens stays within the
+    draft model's maximum length (what draft-ahead runs on each tree it drafted)."""
+    room = state.room()
+    return room is None or tree.size <= room

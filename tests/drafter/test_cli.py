@@ -52,3 +52,10 @@ def test_a_model_drafter_keeps_the_models_length(tiny_pair):
         assert d.max_len == d.model.max_len == MODEL_MAX_LEN
     finally:
         d.close()
+
+
+@pytest.mark.parametrize("shape", ["dynamic", "static", "chain", "fused"])
+def test_a_model_shape_without_a_model_is_a_clear_exit(shape):
+    with pytest.raises(SystemExit) as info:
+        build(parse("--ngram", "--shape", shape))
+    assert "needs a draft model" in str(info.value)

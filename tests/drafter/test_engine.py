@@ -118,6 +118,31 @@ def test_sequence_past_the_draft_models_length_is_refused_until_restarted(draft_
         d.close()
 
 
+def test_a_sequence_at_the_draft_models_length_drafts_a_root_and_stays_usable(draft_model, prompt, caplog):
+    """Committed exactly the model's length, with draft-ahead on: every tree is the root alone
+    (no position is left for a forward), nothing fails in the background, and a request with
+    another budget at the same length is answered too. Before, the draft-ahead job failed on its
+    forward (logged), and the second request got INTERNAL and left the sequence broken."""
+    import logging
+
+    from drafter_service.ahead import AheadConfig
+
+    d = Drafter(draft_model, Options("dynamic", 4, 2, True), ahead=AheadConfig(2, 2), idle_timeout_s=0)
+    limit = draft_model.max_len
+    try:
+        d.start("end", prompt)
+        filler = tuple([7] * (limit - len(prompt)))
+        with caplog.at_level(logging.ERROR, logger="treeserve"):
+            assert d.draft(DraftCall("end", limit, filler, 6)).tree.size == 1
+            d.wait_idle()
+            assert d.draft(DraftCall("end", limit, (), 6, None, 2)).tree.size == 1
+            d.wait_idle()
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+        assert d._seqs["end"].broken is None
+    finally:
+        d.close()
+
+
 def wait_until(condition, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -158,6 +183,32 @@ def test_a_second_start_while_one_is_starting_is_refused_and_no_slot_leaks(draft
         assert len(pool.in_use()) == before + 1
         assert d.end("x")
         assert len(pool.in_use()) == before
+    finally:
+        d.close()
+
+
+def test_an_end_while_the_sequence_is_starting_ends_it_once_started(draft_model):
+    """EndSequence while a StartSequence of the id runs (its old sequence busy): it says ended, and
+    the sequence is closed once started, not installed to hold its slot until the idle sweep."""
+    d = Drafter(draft_model, Options("dynamic", 4, 2, False), max_sequences=4, ahead=None, idle_timeout_s=0)
+    pool = draft_model.lm.pool
+    before = len(pool.in_use())
+    try:
+        d.start("x", [1, 2, 3])
+        old = d._seqs["x"]
+        old.lock.acquire()  # a draft of the old "x" in flight
+        start = threading.Thread(target=d.start, args=("x", [1, 2, 3, 4]))
+        start.start()
+        try:
+            wait_until(lambda: "x" in d._starting)
+            assert d.end("x") is True
+        finally:
+            old.lock.release()
+            start.join(30)
+        assert d.active() == 0 and "x" not in d._seqs
+        assert len(pool.in_use()) == before
+        d.start("x", [1, 2])  # and the id starts afresh
+        assert d.active() == 1
     finally:
         d.close()
 

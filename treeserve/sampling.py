@@ -32,9 +32,14 @@ MIX_M2 = _signed(0x94D049BB133111EB)
 GOLDEN = _signed(0x9E3779B97F4A7C15)
 
 
+# Temperatures below this are greedy: logits scaled by 1 / temperature would overflow float32 (at
+# 1e-36 a logit of 400 already does) and turn the distribution into NaNs; the limit is the argmax.
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """temperature 0 = greedy. top_k 0 = off. top_p 0 or 1 = off."""
+    """temperature 0 (or below MIN_TEMPERATURE) = greedy. top_k 0 = off. top_p 0 or 1 = off."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -43,7 +48,7 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < MIN_TEMPERATURE
 
     @property
     def truncations(self) -> "Truncations":

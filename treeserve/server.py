@@ -14,6 +14,7 @@ from concurrent import futures
 from typing import Callable, Iterable, Iterator
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -88,7 +89,9 @@ def with_raw_requests(register: Callable, methods: Iterable[str]) -> Callable:
     servicer as bytes, unparsed (no request deserializer), for the servicer to parse itself:
     grpcio answers a request its deserializer rejects with INTERNAL ("Exception deserializing
     request!"), where a request that does not parse is the client's error, which the servicer
-    can report as such (INVALID_ARGUMENT). Every other method is registered as generated."""
+    can report as such (INVALID_ARGUMENT). The other methods with one request message have it
+    parsed in the call, before the servicer sees it, and one that does not parse is answered
+    INVALID_ARGUMENT (`_parsed_in_call`); methods that stream requests are registered as generated."""
     raw = frozenset(methods)
 
     def add(servicer, server) -> None:
@@ -118,7 +121,8 @@ class _RawRequestRegistration:
         missing = self._raw - handlers.keys()
         if missing:
             raise ValueError(f"{service} has no method {sorted(missing)}")
-        handlers = {name: _unparsed(handler) if name in self._raw else handler for name, handler in handlers.items()}
+        handlers = {name: _unparsed(handler) if name in self._raw else _parsed_in_call(handler)
+                    for name, handler in handlers.items()}
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
         self._server.add_registered_method_handlers(service, handlers)
         self.registered = True
@@ -138,6 +142,26 @@ def _unparsed(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     factory, behaviour = _HANDLER_KINDS[handler.request_streaming, handler.response_streaming]
     return factory(getattr(handler, behaviour), request_deserializer=None,
                    response_serializer=handler.response_serializer)
+
+
+def _parsed_in_call(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """`handler` (of one request message) with its request parsed by its own deserializer inside
+    the call, so that bytes that do not parse (a truncated message, a string field that is not
+    UTF-8) are answered INVALID_ARGUMENT, not grpcio's INTERNAL. Others are returned as they are."""
+    parse = handler.request_deserializer
+    if handler.request_streaming or parse is None:
+        return handler
+    factory, behaviour = _HANDLER_KINDS[handler.request_streaming, handler.response_streaming]
+    serve = getattr(handler, behaviour)
+
+    def call(data: bytes, context):
+        try:
+            request = parse(data)
+        except DecodeError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request does not parse: {exc}")
+        return serve(request, context)
+
+    return factory(call, request_deserializer=None, response_serializer=handler.response_serializer)
 
 
 class BearerTokenAuth(grpc.ServerInterceptor):
@@ -202,9 +226,10 @@ class Server:
         self._stopped = threading.Event()
         self.stopping = threading.Event()  # set when a shutdown begins (see `client_requests`)
 
-    def add(self, register: Callable, servicer, service_name: str) -> "Server":
-        """register: the generated add_XServicer_to_server; service_name: e.g. 'Verifier'."""
-        register(servicer, self._server)
+    def add(self, register: Callable, servicer, service_name: str, raw_methods: Iterable[str] = ()) -> "Server":
+        """register: the generated add_XServicer_to_server; service_name: e.g. 'Verifier';
+        raw_methods: those whose requests the servicer takes as bytes (`with_raw_requests`)."""
+        with_raw_requests(register, raw_methods)(servicer, self._server)
         full = pb.DESCRIPTOR.services_by_name[service_name].full_name
         self._names.append(full)
         self._health.set(full, health_pb2.HealthCheckResponse.SERVING)

@@ -28,7 +28,7 @@ from treeserve.errors import InvalidArgument, ServeError, Unavailable, item_erro
 from treeserve.h2grpc.server import POLL_SECONDS, DirectServer, Method
 from treeserve.sampling import Sampling
 from treeserve.server import (GRACE_SECONDS, Server, StreamCap, client_requests, grpc_errors, on_error, rpc_threads,
-                              stream_cap, with_raw_requests)
+                              stream_cap)
 from treeserve.tree import TreeError, tree_from_proto
 from treeserve.v1 import treeserve_pb2 as pb
 from treeserve.v1 import treeserve_pb2_grpc as pbg
@@ -387,8 +387,7 @@ class VerifierServer:
         servicer = VerifierServicer(self.engine, self.batcher, info, max_streams=stream_cap(threads),
                                     stopping=self.server.stopping)
         self.servicer = servicer
-        self.server.add(with_raw_requests(pbg.add_VerifierServicer_to_server, RAW_REQUEST_METHODS), servicer,
-                        "Verifier")
+        self.server.add(pbg.add_VerifierServicer_to_server, servicer, "Verifier", raw_methods=RAW_REQUEST_METHODS)
         self.direct: DirectServer | None = None
         if direct_address is not None:
             self.direct = DirectServer(direct_address, servicer.direct_methods(), auth_token=auth_token,

@@ -61,6 +61,17 @@ def test_truncations_name_what_applies():
     assert sampling.transform_values(Sampling(0.5, 4, 0.9)).tolist() == pytest.approx([2.0, 4.0, 0.9])
 
 
+@pytest.mark.parametrize("temperature", [1e-39, 1e-30, 1e-6])
+def test_a_temperature_too_small_to_scale_by_is_greedy(temperature):
+    """1 / temperature would overflow float32 logits (NaN probabilities, tokens that are not the
+    target's); below MIN_TEMPERATURE the settings are greedy, the limit they tend to."""
+    logits = torch.tensor([[400.0, 2.0, -1.0, 399.0]])
+    s = Sampling(temperature=temperature, seed=3).validate()
+    assert s.greedy
+    assert sampling.transform(logits, s).tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    assert not Sampling(temperature=sampling.MIN_TEMPERATURE).greedy
+
+
 def test_validation():
     for bad in (Sampling(temperature=-1), Sampling(top_k=-2), Sampling(top_p=1.5)):
         with pytest.raises(ValueError):

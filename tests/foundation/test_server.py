@@ -35,6 +35,7 @@ def slow_server(grace_s: float, handler_s: float):
     def register(_servicer, server):
         handlers = {"Slow": grpc.unary_unary_rpc_method_handler(slow)}
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        server.add_registered_method_handlers(SERVICE, handlers)  # as generated code does
 
     server = Server("127.0.0.1:0", grace_s=grace_s).add(register, None, "Verifier").start()
     try:
@@ -175,3 +176,35 @@ def test_count_argument_takes_whole_numbers_from_its_bound():
     for bad in ("0", "-2", "1.5", "many"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse(bad)
+
+
+def test_a_request_that_does_not_parse_is_invalid_argument_for_every_method():
+    """Bytes that are no message of the method's request type (here a sequence id that is not
+    UTF-8) are the client's error: INVALID_ARGUMENT for the raw methods (the servicer parses them)
+    and the parsed ones alike, where grpcio's own parse answers INTERNAL."""
+    from treeserve.errors import InvalidArgument
+
+    class Parsing(_RecordingVerifier):
+        def Verify(self, request, context):
+            try:
+                pb.VerifyRequest.FromString(request)
+            except Exception as exc:  # noqa: BLE001
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(InvalidArgument(str(exc))))
+            return pb.VerifyResponse()
+
+    servicer = Parsing()
+    server = Server("127.0.0.1:0").add(pbg.add_VerifierServicer_to_server, servicer, "Verifier",
+                                       raw_methods=["Verify"]).start()
+    bad = b"\x0a\x02\xff\xfe"  # field 1 (a string), two bytes that are not UTF-8
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            for method in ("Verify", "Release", "Prefill"):
+                call = ch.unary_unary(f"/treeserve.v1.Verifier/{method}")
+                with pytest.raises(grpc.RpcError) as info:
+                    call(bad, timeout=10)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, info.value.details())
+            stub = pbg.VerifierStub(ch)
+            stub.Stats(pb.StatsRequest(), timeout=10)  # and a good request still reaches the servicer
+    finally:
+        server.stop(grace=0)
+    assert isinstance(servicer.seen["Stats"], pb.StatsRequest)

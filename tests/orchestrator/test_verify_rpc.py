@@ -49,6 +49,7 @@ def register_without_verify_stream(servicer, server) -> None:
     register_verifier(servicer, cap)
     older = {name: h for name, h in cap.handlers.items() if name != "VerifyStream"}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("treeserve.v1.Verifier", older),))
+    server.add_registered_method_handlers("treeserve.v1.Verifier", older)  # as generated code does
 
 
 @pytest.fixture(scope="module")

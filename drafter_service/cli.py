@@ -9,6 +9,7 @@ from treeserve import cores
 from treeserve.errors import ServeError
 from treeserve.h2grpc import server as direct_port
 from treeserve.server import add_grace_argument, count_argument, number_argument
+from treeserve.tree import MAX_DRAFT_SUPPORT
 
 log = logging.getLogger("treeserve.drafter")
 
@@ -38,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ahead-slots", type=count_argument(0), default=None,
                    help="state slots for prepared outcomes, shared by all sequences (default: max-sequences x "
                         "ahead-trees); when none is free an outcome is simply not prepared")
-    p.add_argument("--support", type=count_argument(1), default=64,
+    p.add_argument("--support", type=count_argument(1, MAX_DRAFT_SUPPORT), default=64,
                    help="most tokens in a reported draft distribution (sampling); larger supports are truncated")
     p.add_argument("--vocab-limit", type=count_argument(0), default=0,
                    help="only draft tokens below this id (the target's vocabulary size when the draft's is padded; "

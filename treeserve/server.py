@@ -225,6 +225,7 @@ class Server:
             raise OSError(f"could not bind {address}")
         self._stopped = threading.Event()
         self.stopping = threading.Event()  # set when a shutdown begins (see `client_requests`)
+        self._on_stopping: list[Callable[[], None]] = []
 
     def add(self, register: Callable, servicer, service_name: str, raw_methods: Iterable[str] = ()) -> "Server":
         """register: the generated add_XServicer_to_server; service_name: e.g. 'Verifier';
@@ -245,9 +246,15 @@ class Server:
         """Refuse new calls and end open streams at their next message (`client_requests`); calls
         in flight get `grace` seconds (None: this server's `grace_s`) before they are cancelled."""
         self.stopping.set()
+        for callback in self._on_stopping:
+            callback()
         self._health.enter_graceful_shutdown()
         self._server.stop(self.grace_s if grace is None else grace).wait()
         self._stopped.set()
+
+    def on_stopping(self, callback: Callable[[], None]) -> None:
+        """Call `callback` as a shutdown begins, before the calls in flight get their grace."""
+        self._on_stopping.append(callback)
 
     def wait(self) -> None:
         """Serve until SIGTERM/SIGINT, then shut down gracefully."""
@@ -301,8 +308,8 @@ class StreamCap:
             self._slots.release()
 
 
-def count_argument(low: int) -> Callable[[str], int]:
-    """An argparse type: a whole number >= `low` (`number_argument` is its twin for real numbers).
+def count_argument(low: int, high: float = math.inf) -> Callable[[str], int]:
+    """An argparse type: a whole number in [low, high] (`number_argument` is its twin for real numbers).
     A value a server could only fail on later (a negative slot count, an empty tree) is refused
     when the command line is read, with the option's name."""
 
@@ -313,6 +320,8 @@ def count_argument(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high:g}, got {value}")
         return value
 
     return parse

@@ -20,6 +20,10 @@ from typing import Iterable, Sequence
 
 # Tolerance on probability sums: distributions come over the wire as float32.
 _PROB_TOL = 1e-3
+# Most tokens one draft distribution may list: a tree's distributions are checked on an RPC thread
+# and turned into tables on the thread that holds the model, so one request listing whole
+# vocabularies (tens of MB) must not stall everybody's forwards for seconds.
+MAX_DRAFT_SUPPORT = 4096
 
 
 class TreeError(ValueError):
@@ -50,6 +54,9 @@ class SparseDist:
     def validate(self, vocab_size: int, where: str) -> None:
         if len(self.tokens) != len(self.probs):
             raise TreeError(f"{where}: {len(self.tokens)} tokens but {len(self.probs)} probabilities")
+        if len(self.tokens) > MAX_DRAFT_SUPPORT:
+            raise TreeError(f"{where}: the draft distribution lists {len(self.tokens)} tokens, more than "
+                            f"{MAX_DRAFT_SUPPORT}")
         if len(set(self.tokens)) != len(self.tokens):
             raise TreeError(f"{where}: repeated token in the draft distribution")
         for t in self.tokens:
@@ -276,6 +283,10 @@ def tree_from_proto(msg, vocab_size: int, max_nodes: int) -> TokenTree:
     """Decode and validate a wire tree; raises TreeError naming the broken rule."""
     draft = None
     if len(msg.draft) > 0:
+        for i, d in enumerate(msg.draft):  # before anything copies them (the lists may be vocabularies)
+            if max(len(d.tokens), len(d.probs)) > MAX_DRAFT_SUPPORT:
+                raise TreeError(f"draft[{i}]: the draft distribution lists {max(len(d.tokens), len(d.probs))} "
+                                f"tokens, more than {MAX_DRAFT_SUPPORT}")
         draft = tuple(dist_from_proto(d) for d in msg.draft)
     # repeated integer fields yield Python ints: nothing to convert
     return TokenTree.of_ints(tuple(msg.tokens), tuple(msg.parents), draft).validate(vocab_size, max_nodes)

@@ -194,6 +194,7 @@ class Batcher:
         self._runners: set[int] = set()  # RPC threads that have run the model (at most INLINE_THREADS)
         self._started = False
         self._stopped = False
+        self._hurried = False  # a shutdown began: no forward waits for company any more
         self._thread = threading.Thread(target=self._loop, name="verifier-model", daemon=True)
         self._batch_ids = itertools.count()
         self._job_numbers = itertools.count()
@@ -297,6 +298,13 @@ class Batcher:
         with self._lock:
             return len(self._queue)
 
+    def hurry(self) -> None:
+        """From now on no forward waits in its batching window (a shutdown began: the calls in
+        flight have only their grace), and one waiting now goes at once."""
+        with self._lock:
+            self._hurried = True
+            self._arrival.notify_all()
+
     def stop(self, timeout: float = 10.0) -> None:
         with self._lock:
             self._stopped = True
@@ -367,8 +375,8 @@ class Batcher:
         """For the holder gathering a batch: the next queued entry, waiting up to `timeout` s
         (capped at what a lock wait accepts: beyond it, Condition.wait raises OverflowError)."""
         with self._lock:
-            if not self._queue and timeout > 0:
-                self._arrival.wait_for(lambda: bool(self._queue), min(timeout, threading.TIMEOUT_MAX))
+            if not self._queue and timeout > 0 and not self._hurried:
+                self._arrival.wait_for(lambda: bool(self._queue) or self._hurried, min(timeout, threading.TIMEOUT_MAX))
             return self._queue.popleft() if self._queue else None
 
     def _put_back(self, entries: list) -> None:

@@ -384,6 +384,7 @@ class VerifierServer:
         self._pool = LifoExecutor(threads, name="verifier-rpc", prefer=self.batcher.is_runner,
                                   context=torch.inference_mode)
         self.server = Server(address, auth_token=auth_token, executor=self._pool, grace_s=grace_s)
+        self.server.on_stopping(self.batcher.hurry)
         servicer = VerifierServicer(self.engine, self.batcher, info, max_streams=stream_cap(threads),
                                     stopping=self.server.stopping)
         self.servicer = servicer

@@ -18,7 +18,7 @@ def parse(*argv: str) -> argparse.Namespace:
     ("--ahead-slots", "-4"), ("--ahead-trees", "-1"), ("--ahead-fanout", "0"), ("--vocab-limit", "-1"),
     ("--max-nodes", "0"), ("--support", "0"), ("--node-budget", "0"), ("--max-depth", "-1"),
     ("--max-sequences", "0"), ("--max-len", "0"), ("--max-nodes", "2.5"), ("--support", "many"),
-    ("--idle-timeout-s", "-1"), ("--idle-timeout-s", "nan"),
+    ("--idle-timeout-s", "-1"), ("--idle-timeout-s", "nan"), ("--support", "4097"),
 ])
 def test_a_number_that_would_break_the_drafter_is_refused_at_parse_time(option, bad, capsys):
     with pytest.raises(SystemExit):

@@ -208,3 +208,19 @@ def test_a_request_that_does_not_parse_is_invalid_argument_for_every_method():
     finally:
         server.stop(grace=0)
     assert isinstance(servicer.seen["Stats"], pb.StatsRequest)
+
+
+def test_a_shutdown_tells_what_asked_before_the_grace_begins():
+    with slow_server(grace_s=5.0, handler_s=30.0) as (server, entered):
+        told = []
+        server.on_stopping(lambda: told.append(server.stopping.is_set()))
+        thread, out = call_in_background(server.port)
+        assert entered.wait(10)
+        stopper = threading.Thread(target=server.stop)
+        stopper.start()
+        deadline = time.monotonic() + 10
+        while not told and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert told == [True] and stopper.is_alive()  # told while the call still has its grace
+    stopper.join(10)
+    thread.join(10)

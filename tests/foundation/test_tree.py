@@ -166,6 +166,23 @@ def test_rejects_bad_distributions(dist, message):
         tree.validate(VOCAB, 16)
 
 
+def test_a_distribution_listing_more_than_the_cap_is_refused_before_it_is_copied():
+    """A whole vocabulary per node would stall the model thread for seconds: refused on the wire
+    form, by the cap, before the lists are turned into tuples (and by `validate` for a built tree)."""
+    from treeserve.tree import MAX_DRAFT_SUPPORT, tree_from_proto, tree_to_proto
+
+    n = MAX_DRAFT_SUPPORT + 1
+    wide = SparseDist(tuple(range(n)), (1.0 / n,) * n)
+    tree = TokenTree((1, 2), (-1, 0), (wide, None))
+    with pytest.raises(TreeError, match=f"lists {n} tokens, more than {MAX_DRAFT_SUPPORT}"):
+        tree.validate(10 * n, 16)
+    with pytest.raises(TreeError, match=r"draft\[0\]: .* more than"):
+        tree_from_proto(tree_to_proto(tree), 10 * n, 16)
+    at_cap = SparseDist(tuple(range(n - 1)), (1.0 / (n - 1),) * (n - 1))
+    ok = TokenTree((1, 2), (-1, 0), (at_cap, None))
+    assert tree_from_proto(tree_to_proto(ok), 10 * n, 16) == ok
+
+
 def test_draft_needed_for_inner_nodes():
     tree = TokenTree((1, 2), (-1, 0), (None, None))
     with pytest.raises(TreeError, match="children but no draft distribution"):

@@ -478,6 +478,34 @@ def test_an_endless_window_waits_without_overflow_until_its_company_comes(make):
     assert ra_.batch_sequences == rb_.batch_sequences == 2
 
 
+def test_a_shutdown_ends_the_wait_for_company(make):
+    """s0 comes back alone and waits (an endless window) for s1, which the previous forward had
+    from another request; a shutdown begins (`hurry`, what the server calls as it stops): s0's
+    forward goes at once, within the calls' grace, and no later forward waits."""
+    engine, batcher = make(batch_window_ms=math.inf)
+    (a, La, ra), (b, Lb, rb) = _prefill(engine, 2)
+    one = {a: VerifyWork(a, La, TokenTree.single(ra)), b: VerifyWork(b, Lb, TokenTree.single(rb))}
+    first = [batcher.verify([one[a]]), batcher.verify([one[b]])]
+    batcher.start()
+    assert [f.result(30).batch_sequences for f in first] == [2, 2]
+    in_window = threading.Event()
+    take = batcher._take
+
+    def watched_take(timeout):
+        if timeout > 0:
+            in_window.set()
+        return take(timeout)
+
+    batcher._take = watched_take
+    with ThreadPoolExecutor(1) as rpc:
+        alone = rpc.submit(lambda: batcher.verify([one[a]]).result(30))
+        assert in_window.wait(10), "s0 should wait in its window for s1"
+        batcher.hurry()
+        reply = alone.result(30)
+    assert reply.outputs[0].error is None and reply.batch_sequences == 1
+    assert batcher.verify([one[a]]).result(30).batch_sequences == 1  # and the next does not wait
+
+
 def test_the_model_thread_outlives_an_exception_while_it_gathers_a_batch(make):
     """A bug while the model thread gathers a batch (here the OverflowError an endless window once
     raised) fails that batch's caller with INTERNAL; the thread logs it and serves the next."""

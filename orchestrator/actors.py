@@ -115,6 +115,8 @@ class CoordinatorCore:
         self._lock = threading.Lock()
         self._replicas: dict[str, _Replica] = {}
         self._where: dict[str, str] = {}  # request id -> verifier address
+        self._moving: set[str] = set()  # request ids `replica_down` is handing to another engine now
+        self._ended_in_move: dict[str, str] = {}  # of those, the ones that ended there already -> verifier
 
     # ---- registry -----------------------------------------------------------------------
     def register(self, verifier: str, drafter: Optional[str] = None) -> dict:
@@ -239,6 +241,8 @@ class CoordinatorCore:
                     del self._where[rid]
                     if rep is not None:
                         rep.load = max(0, rep.load - 1)
+                elif rid in self._moving:  # it ended on its new engine before `replica_down` counted it there
+                    self._ended_in_move[rid] = verifier
             retire = rep is not None and rep.draining and rep.load == 0
         if retire:
             # on a thread: the engine waits for this call before it publishes its last events,
@@ -252,23 +256,34 @@ class CoordinatorCore:
                 self._replicas[verifier].healthy = False
         taken: dict[str, str] = {}
         for state in states:
+            rid = state.request_id
             with self._lock:
                 order = [r for r in self._by_load() if r.verifier != verifier and r.load < r.capacity]
-            for rep in order:
-                try:
-                    adopted = ray.get(rep.engine.adopt.remote(state))
-                except RayActorError as exc:
-                    self._engine_failed(rep, exc)
-                    continue
-                if adopted:
-                    with self._lock:
-                        rep.load += 1
-                        self._where[state.request_id] = rep.verifier
-                        old = self._replicas.get(verifier)
-                        if old is not None:
-                            old.load = max(0, old.load - 1)
-                    taken[state.request_id] = rep.name
-                    break
+                self._moving.add(rid)
+            try:
+                for rep in order:
+                    try:
+                        adopted = ray.get(rep.engine.adopt.remote(state))
+                    except RayActorError as exc:
+                        self._engine_failed(rep, exc)
+                        continue
+                    if adopted:
+                        with self._lock:
+                            old = self._replicas.get(verifier)
+                            if old is not None:
+                                old.load = max(0, old.load - 1)
+                            if self._ended_in_move.get(rid) == rep.verifier:  # done already: nothing to count
+                                if self._where.get(rid) == verifier:
+                                    del self._where[rid]
+                            else:
+                                rep.load += 1
+                                self._where[rid] = rep.verifier
+                        taken[rid] = rep.name
+                        break
+            finally:
+                with self._lock:
+                    self._moving.discard(rid)
+                    self._ended_in_move.pop(rid, None)
         if taken:
             log.info("moved %d requests off verifier %s", len(taken), verifier)
         return taken

@@ -77,3 +77,26 @@ def test_an_engine_that_is_stopping_passes_the_request_on(coordinator):
     assert (engine_name, error) == ("engine-v:2", None)
     assert running.accepted == ["x"] and coordinator._where == {"x": "v:2"}
     assert coordinator._replicas["v:1"].load == 0
+
+
+class AdoptingEngine(StandInEngine):
+    """Adopts a moved request, which ends at once: its `finished` reaches the coordinator before
+    `adopt` has returned (a request with one token left)."""
+
+    def __init__(self, coordinator, verifier: str):
+        super().__init__()
+        self.adopt = Method(lambda state: coordinator.finished(verifier, [state.request_id]) or True)
+
+
+def test_a_moved_request_that_ends_during_its_move_leaves_no_load_behind(coordinator):
+    from orchestrator.request import RequestState
+
+    replica(coordinator, "v:1", StandInEngine())
+    replica(coordinator, "v:2", AdoptingEngine(coordinator, "v:2"))
+    coordinator._replicas["v:1"].load = 1
+    coordinator._where["x"] = "v:1"
+    taken = coordinator.replica_down("v:1", [RequestState(spec("x"), [1, 2], None)])
+    assert taken == {"x": "engine-v:2"}
+    assert coordinator._where == {}  # the id is free again
+    assert {v: r.load for v, r in coordinator._replicas.items()} == {"v:1": 0, "v:2": 0}
+    assert coordinator._moving == set() and coordinator._ended_in_move == {}

@@ -35,11 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fail requests whose verifier replica stays unreachable this long")
     p.add_argument("--connect-timeout-s", type=float, default=300.0,
                    help="how long a replica's engine waits for its verifier to come up when registered")
-    p.add_argument("--default-max-new-tokens", type=int, default=256)
-    p.add_argument("--max-new-tokens", type=int, default=4096, help="largest max_new_tokens a client may ask for")
-    p.add_argument("--max-streams", type=count_argument(1), default=240,  # FrontLimits' default (a test keeps them one)
-                   help="open Generate streams this front serves at once (each holds a server thread); more are "
-                        "refused with RESOURCE_EXHAUSTED")
+    add_limit_arguments(p)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     add_grace_argument(p)
     admin = p.add_mutually_exclusive_group()
@@ -48,8 +44,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     admin.add_argument("--list", action="store_true", help="print the deployment's replicas as JSON and exit")
 
 
-def config_from(args: argparse.Namespace):
+def add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    """The Generation front's limits (`FrontLimits`), for `orchestrator` and `serve` alike."""
+    p.add_argument("--default-max-new-tokens", type=count_argument(1), default=256,
+                   help="max_new_tokens of a request that names none")
+    p.add_argument("--max-new-tokens", type=count_argument(1), default=4096,
+                   help="largest max_new_tokens a client may ask for")
+    p.add_argument("--max-streams", type=count_argument(1), default=240,  # FrontLimits' default (a test keeps them one)
+                   help="open Generate streams this front serves at once (each holds a server thread); more are "
+                        "refused with RESOURCE_EXHAUSTED")
+
+
+def limits_from(args: argparse.Namespace):
     from orchestrator.generation import FrontLimits
+
+    try:
+        return FrontLimits(args.default_max_new_tokens, args.max_new_tokens, args.max_streams)
+    except ValueError as exc:
+        raise SystemExit(f"--default-max-new-tokens: {exc}") from None
+
+
+def config_from(args: argparse.Namespace):
     from orchestrator.runtime import OrchestratorConfig
 
     return OrchestratorConfig(
@@ -57,7 +72,7 @@ def config_from(args: argparse.Namespace):
         host=args.host, port=args.port, auth_token=args.auth_token, service_token=args.service_token,
         tokenizer=args.tokenizer, draft_timeout_s=args.draft_timeout_ms / 1e3, replica_timeout_s=args.replica_timeout_s,
         connect_timeout_s=args.connect_timeout_s,
-        limits=FrontLimits(args.default_max_new_tokens, args.max_new_tokens, args.max_streams),
+        limits=limits_from(args),
         metrics_port=args.metrics_port,
         shutdown_grace_s=args.shutdown_grace_s,
     )

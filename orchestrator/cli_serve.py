@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-from orchestrator.generation import FrontLimits
+from orchestrator.cli_orchestrator import add_limit_arguments, limits_from
 from orchestrator.procs import Child, PortTaken, free_port, stop_all
 from orchestrator.runtime import Orchestrator, OrchestratorConfig
 from treeserve import cores
@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sequences", type=int, default=None, help="sequences per verifier replica")
     p.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' from clients")
     p.add_argument("--draft-timeout-ms", type=float, default=1000.0)
-    p.add_argument("--default-max-new-tokens", type=int, default=256)
+    add_limit_arguments(p)  # the Generation front's
     p.add_argument("--log-dir", default=None, help="where the child services write their logs (default: temp files)")
     cores.add_argument(p)  # one set for the host: every child process benefits
     add_grace_argument(p)  # the Generation service's: it drains first, then the children stop
@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     config = OrchestratorConfig(verifiers=[], host=args.host, port=args.port, auth_token=args.auth_token,
                                 tokenizer=str(plan.target), draft_timeout_s=args.draft_timeout_ms / 1e3,
-                                limits=FrontLimits(default_max_new_tokens=args.default_max_new_tokens),
+                                limits=limits_from(args),
                                 shutdown_grace_s=args.shutdown_grace_s)
     try:
         children, orch = launch_or_say_why(plan, config, args.log_dir)

@@ -63,6 +63,10 @@ class FrontLimits:
     def __post_init__(self):
         if self.max_streams < 1:
             raise ValueError(f"max_streams must be at least 1, got {self.max_streams}")
+        if not 1 <= self.default_max_new_tokens <= self.max_new_tokens:
+            # else every request that names no max_new_tokens would be refused
+            raise ValueError(f"default_max_new_tokens ({self.default_max_new_tokens}) must be in [1, max_new_tokens "
+                             f"({self.max_new_tokens})]")
 
     def worker_count(self) -> int:
         """Server worker threads: one per stream, plus UNARY_WORKERS for everything else."""

@@ -70,3 +70,16 @@ def test_a_verifier_that_cannot_load_its_model_is_one_line(tmp_path):
     message = str(failed.value)
     assert "\n" not in message and "verifier-0 exited" in message and "safetensors" in message
     assert message.endswith(f"(logs in {tmp_path})")
+
+
+def test_the_fronts_limits_are_options_of_serve_as_of_orchestrator():
+    """`serve` takes the Generation front's limits as `orchestrator` does; a default above the
+    largest allowed (every request naming none would be refused) is a clear exit."""
+    from orchestrator.cli_orchestrator import limits_from
+
+    limits = limits_from(parse("--max-streams", "8", "--max-new-tokens", "100", "--default-max-new-tokens", "50"))
+    assert (limits.max_streams, limits.max_new_tokens, limits.default_max_new_tokens) == (8, 100, 50)
+    with pytest.raises(SystemExit, match="default_max_new_tokens"):
+        limits_from(parse("--max-new-tokens", "100"))  # the default default, 256, is above it
+    with pytest.raises(SystemExit):
+        parse("--default-max-new-tokens", "0")

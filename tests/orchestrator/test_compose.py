@@ -62,3 +62,22 @@ def test_each_image_holds_every_package_its_service_imports(image, tmp_path):
             f"import importlib; [importlib.import_module(m) for m in {IMAGE_MODULES[image]!r}]")
     r = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"{image} image ({', '.join(copied)}): {r.stderr.strip().splitlines()[-1:]}"
+
+
+def test_the_images_install_every_dependency_of_the_package():
+    """The images install treeserve without its dependencies (`pip install --no-deps .`), from
+    docker/requirements.txt: that file must pin what pyproject does, less torch (installed per
+    image) and grpcio-tools (only generates the stubs). A missing one fails the service at start."""
+    import re
+    import tomllib
+
+    def name_and_pin(spec: str) -> tuple[str, str]:
+        name, _, pin = re.match(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?(.*)", spec.strip()).groups()
+        return name.lower(), pin.strip()
+
+    wanted = dict(name_and_pin(d) for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
+    for name in ("torch", "grpcio-tools"):
+        wanted.pop(name)
+    lines = [line for line in (ROOT / "docker/requirements.txt").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    assert dict(name_and_pin(line) for line in lines) == wanted

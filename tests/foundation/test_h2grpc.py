@@ -675,7 +675,7 @@ def test_session_request_refused_mid_upload(start_grpc_echo, open_session):
 # ---- 7. malformed connections, and a raw HTTP/2 client ------------------------------------------
 
 # RFC 9113 numbers, written out here rather than taken from the module under test
-GOAWAY_TYPE, PROTOCOL_ERROR_CODE, FRAME_SIZE_ERROR_CODE = 7, 1, 6
+GOAWAY_TYPE, PROTOCOL_ERROR_CODE, FRAME_SIZE_ERROR_CODE, ENHANCE_YOUR_CALM_CODE = 7, 1, 6, 11
 CLIENT_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 
@@ -1046,3 +1046,66 @@ def test_a_failed_accept_does_not_stop_the_port(direct, open_channel):
         channel = open_channel(direct.port, (("grpc.use_local_subchannel_pool", 1),))
         assert unary(channel)(b"x%d" % i, timeout=WAIT_S) == b"unary:x%d" % i
     assert failing.failed
+
+
+def test_a_connection_with_no_call_that_stays_silent_is_closed(start_direct, open_channel):
+    """After its handshake, a connection with no call open that sends nothing for idle_s gets
+    GOAWAY NO_ERROR and is closed (silent peers cannot hold every slot); one with a call open is
+    not, however long the call waits between messages."""
+    idle_s = 0.5
+    direct = start_direct(idle_s=idle_s)
+    channel = open_channel(direct.port)
+    requests = Requests()
+    responses = stream(channel)(iter(requests), timeout=WAIT_S)
+    try:
+        requests.put(b"a")
+        assert next(responses) == b"echo:a"
+        t0 = time.monotonic()
+        with socket.create_connection(("127.0.0.1", direct.port), timeout=WAIT_S) as sock:
+            sock.sendall(CLIENT_PREFACE + raw_frame(4, 0, 0, b""))
+            data = read_to_eof(sock, limit=WAIT_S)
+        assert time.monotonic() - t0 >= idle_s
+        assert goaway_codes(data) == [0]
+        time.sleep(idle_s)  # the open stream's connection is older than idle_s now, and silent
+        requests.put(b"b")
+        assert next(responses) == b"echo:b"
+    finally:
+        requests.end()
+
+
+def test_the_server_says_how_many_calls_it_serves_at_once():
+    """SETTINGS_MAX_CONCURRENT_STREAMS is announced, so a grpcio channel queues its calls past it
+    instead of having them refused."""
+    from treeserve.h2grpc.server import MAX_CONCURRENT_STREAMS
+
+    server = DirectServer("127.0.0.1:0", {UNARY: Method(identity)}).start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S) as sock:
+            sock.sendall(CLIENT_PREFACE + raw_frame(4, 0, 0, b""))
+            [(_, flags, _, body)] = read_frames(sock, until=lambda ftype, flags, sid: ftype == 4 and not flags & 1)
+        settings = dict(struct.unpack(">HI", body[i:i + 6]) for i in range(0, len(body), 6))
+        assert settings[0x3] == MAX_CONCURRENT_STREAMS
+    finally:
+        server.stop(0)
+
+
+def test_a_peer_that_floods_a_connection_it_does_not_let_answer_is_closed(direct):
+    """The client shuts every stream's window (SETTINGS_INITIAL_WINDOW_SIZE 0), asks on a stream,
+    then sends frames without end while the answer waits for a window: what the server sets aside
+    meanwhile is bounded, then GOAWAY ENHANCE_YOUR_CALM."""
+    from treeserve.h2grpc.peer import MAX_DEFERRED_FRAMES
+
+    encoder = hpack.Encoder()
+    headers = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", STREAM),
+                              (":authority", "localhost"), ("content-type", "application/grpc"), ("te", "trailers")])
+    message = b"\x00" + struct.pack(">I", 2) + b"hi"
+    flood = raw_frame(0, 0, 1, message) * (MAX_DEFERRED_FRAMES + 10)  # more requests on the stream
+    with socket.create_connection(("127.0.0.1", direct.port), timeout=WAIT_S) as sock:
+        sock.sendall(CLIENT_PREFACE + raw_frame(4, 0, 0, struct.pack(">HI", 0x4, 0))
+                     + raw_frame(1, 0x4, 1, headers) + raw_frame(0, 0, 1, message))
+        try:
+            sock.sendall(flood)
+        except OSError:
+            pass  # closed while we were still sending: what the test wants
+        data = read_to_eof(sock, limit=WAIT_S)
+    assert ENHANCE_YOUR_CALM_CODE in goaway_codes(data)

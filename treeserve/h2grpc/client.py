@@ -289,7 +289,10 @@ class DirectStream:
     `deserialize(bytes) -> response`. One thread writes and reads (it has no thread of its own, so a
     response costs its reader no hand-off); any other thread may only `abort()` it. Any failure
     (the server's status, a broken connection, a response that does not parse) raises a
-    grpc.RpcError and ends the stream: `open` is then False and the caller makes a new one."""
+    grpc.RpcError and ends the stream: `open` is then False and the caller makes a new one.
+    Both ends write with blocking sends and read nothing meanwhile: a caller that writes megabytes
+    of requests without reading their answers fills both sockets' buffers and its write times out
+    (`send_timeout`); read what has come (`read(0)`) between writes, as the draft link does."""
 
     def __init__(self, address: str, path: str, serialize: Callable, deserialize: Callable,
                  auth_token: str | None = None, send_timeout: float = CONNECT_TIMEOUT_S,

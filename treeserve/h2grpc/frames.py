@@ -103,6 +103,10 @@ class FrameReader:
         self._deferred.append(item)
 
     @property
+    def deferred_count(self) -> int:
+        return len(self._deferred)
+
+    @property
     def buffered(self) -> bool:
         """Whether frames or bytes of one wait here, read off the socket already."""
         return bool(self._deferred or self._buf)

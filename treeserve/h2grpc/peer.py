@@ -16,6 +16,9 @@ from treeserve.h2grpc import frames as f
 RECEIVE_WINDOW = 1 << 24
 CONNECTION_RECEIVE_WINDOW = 1 << 30
 MAX_HEADER_LIST_BYTES = 16384
+# Frames a write waiting for the peer's window may set aside for later (the peer's requests, new
+# calls): past this the peer is flooding a connection it does not let answer (ENHANCE_YOUR_CALM)
+MAX_DEFERRED_FRAMES = 4096
 
 
 class Peer:
@@ -42,10 +45,13 @@ class Peer:
         self.goaway_from_peer: int | None = None  # the error code of the peer's GOAWAY
 
     # ---- connection setup --------------------------------------------------------------------
-    def local_settings(self) -> bytes:
-        return f.settings_frame({f.ENABLE_PUSH: 0, f.INITIAL_WINDOW_SIZE: RECEIVE_WINDOW,
-                                 f.MAX_HEADER_LIST_SIZE: self.max_header_list}) + \
-            f.window_update(0, CONNECTION_RECEIVE_WINDOW - f.DEFAULT_WINDOW)
+    def local_settings(self, max_concurrent_streams: int | None = None) -> bytes:
+        """This end's SETTINGS (with the most calls it serves at once, for a server) and its
+        connection window."""
+        settings = {f.ENABLE_PUSH: 0, f.INITIAL_WINDOW_SIZE: RECEIVE_WINDOW, f.MAX_HEADER_LIST_SIZE: self.max_header_list}
+        if max_concurrent_streams is not None:
+            settings[f.MAX_CONCURRENT_STREAMS] = max_concurrent_streams
+        return f.settings_frame(settings) + f.window_update(0, CONNECTION_RECEIVE_WINDOW - f.DEFAULT_WINDOW)
 
     # ---- writing -----------------------------------------------------------------------------
     def queue(self, data: bytes) -> None:
@@ -109,6 +115,9 @@ class Peer:
             item = self.reader.read_new()  # not the deferred frames: they stay deferred, in order
             ftype, flags, stream, payload, _ = item
             if not self.control(ftype, flags, stream, payload):
+                if self.reader.deferred_count >= MAX_DEFERRED_FRAMES:
+                    raise f.ProtocolError(f"more than {MAX_DEFERRED_FRAMES} frames while this end waits for a window",
+                                          f.ENHANCE_YOUR_CALM)
                 self.reader.defer(item)
                 if stream == sid and (ftype == f.RST_STREAM or (
                         self.end_stream_ends_call and ftype == f.HEADERS and flags & f.END_STREAM)):

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import math
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -46,6 +47,11 @@ HANDSHAKE_SECONDS = 10.0
 # How long a connection's thread polls for the next request before it sleeps (frames.FrameReader):
 # a step loop's next request comes within this, at the cost of a busy core for as long
 POLL_SECONDS = 0.0005
+# A connection with no call open that sends nothing for this long is closed (GOAWAY NO_ERROR), and
+# one whose peer takes none of an answer's bytes for SEND_TIMEOUT_S too: else silent or stalled
+# peers would hold every connection slot, and their threads, for ever
+IDLE_SECONDS = 300.0
+SEND_TIMEOUT_S = 60.0
 
 
 
@@ -116,18 +122,23 @@ class DirectServer:
 
     def __init__(self, address: str, methods: dict[str, Method], auth_token: str | None = None,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, thread_context: Callable | None = None,
-                 poll_s: float = POLL_SECONDS, handshake_s: float = HANDSHAKE_SECONDS):
+                 poll_s: float = POLL_SECONDS, handshake_s: float = HANDSHAKE_SECONDS,
+                 idle_s: float = IDLE_SECONDS, send_timeout_s: float = SEND_TIMEOUT_S):
         """thread_context: a context manager factory entered once by each connection thread (the
         verifier keeps torch's inference mode on for good in the threads that run its model);
         poll_s: how long a connection's thread polls for more bytes before it sleeps (0: never);
         handshake_s: how long a new connection has to send its preface and first SETTINGS before
-        it is closed."""
+        it is closed; idle_s: how long one with no call open may send nothing; send_timeout_s: how
+        long a write may make no progress before the connection is closed."""
         if not poll_s >= 0:
             raise ValueError(f"poll_s must be >= 0, got {poll_s}")
-        if not 0 < handshake_s < math.inf:
-            raise ValueError(f"handshake_s must be a positive number of seconds, got {handshake_s}")
+        for name, value in (("handshake_s", handshake_s), ("idle_s", idle_s), ("send_timeout_s", send_timeout_s)):
+            if not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
         self.poll_s = poll_s
         self.handshake_s = handshake_s
+        self.idle_s = idle_s
+        self.send_timeout_s = send_timeout_s
         host, _, port = address.rpartition(":")
         self._bind = (host.strip("[]") or "0.0.0.0", int(port))
         self.methods = dict(methods)
@@ -219,6 +230,10 @@ class _Connection:
     def __init__(self, server: DirectServer, sock: socket.socket):
         self.server = server
         self.handshake_by = time.monotonic() + server.handshake_s
+        # a kernel-level send timeout: Python's own timeout would also bound the blocking reads
+        seconds = int(server.send_timeout_s)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", seconds, int((server.send_timeout_s - seconds) * 1e6)))
         self.peer = Peer(sock, poll_s=server.poll_s)
         self.streams: dict[int, _Stream] = {}
         self.last_sid = 0
@@ -283,7 +298,7 @@ class _Connection:
         peer = self.peer
         self._handshake()
         while not self.server.stopping.is_set():
-            ftype, flags, sid, payload, flow = peer.reader.read()
+            ftype, flags, sid, payload, flow = self._read()
             if peer.control(ftype, flags, sid, payload):
                 continue
             if ftype == f.HEADERS:
@@ -299,6 +314,23 @@ class _Connection:
             if self.after:
                 self._run_after()
 
+    def _read(self):
+        """The next frame; with no call open, waiting at most the server's `idle_s` for it (then
+        GOAWAY NO_ERROR, and the connection ends)."""
+        peer = self.peer
+        if self.streams or peer.reader.buffered:
+            return peer.reader.read()
+        peer.reader.deadline = time.monotonic() + self.server.idle_s
+        try:
+            return peer.reader.read()
+        except TimeoutError as exc:
+            self._goaway(f.NO_ERROR, "idle")
+            raise f.ConnectionClosed(f"no call and no frame for {self.server.idle_s:g} s") from exc
+        finally:
+            peer.reader.deadline = None
+            with contextlib.suppress(OSError):
+                peer.sock.settimeout(None)  # blocking again: Python's timeout would bound writes too
+
     def _handshake(self) -> None:
         """Read the client's connection preface and its first frame, which must be SETTINGS (RFC
         9113 §3.4), by `handshake_by`; this end's SETTINGS go out after the preface. A client
@@ -310,7 +342,7 @@ class _Connection:
         try:
             if reader.exact(len(f.PREFACE)) != f.PREFACE:
                 raise f.ConnectionClosed("not an HTTP/2 client preface")
-            peer.queue(peer.local_settings())
+            peer.queue(peer.local_settings(max_concurrent_streams=MAX_CONCURRENT_STREAMS))
             peer.flush()
             ftype, flags, sid, payload, _ = reader.read()
         except TimeoutError as exc:

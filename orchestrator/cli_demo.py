@@ -12,10 +12,14 @@ import logging
 import sys
 import time
 
+import grpc
+
 from orchestrator.cli_serve import LaunchFailed, SetupError, launch_or_say_why, plan_from
 from orchestrator.client import GenerationClient, Result, request
+from orchestrator.generation import FrontLimits
 from orchestrator.procs import stop_all
 from orchestrator.runtime import OrchestratorConfig
+from treeserve.server import count_argument
 
 # the speculative runs per --speculation choice: (label, mode); explicit modes are not adaptive
 RUNS = {
@@ -38,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--drafter-model", default=None, metavar="DIR", help="draft checkpoint (default: the demo drafter)")
     src.add_argument("--ngram", action="store_true", help="model-free n-gram drafting")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=count_argument(1, FrontLimits.max_new_tokens), default=64)
     p.add_argument("--prompts", type=int, default=3, help=f"how many of the {len(PROMPTS)} built-in prompts to run")
     p.add_argument("--speculation", choices=("auto", "chain", "tree"), default="auto",
                    help="auto: a fixed tree and adaptive tree speculation; chain / tree: that fixed shape only")
@@ -70,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"ready in {time.perf_counter() - t_start:.0f} s\n", flush=True)
         with GenerationClient(f"127.0.0.1:{orch.port}") as client:
             return _compare(client, PROMPTS[:max(1, args.prompts)], args)
+    except grpc.RpcError as exc:  # a service refused a request, or failed midway
+        print(f"treeserve demo: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
     finally:
         orch.stop()
         stop_all(children)

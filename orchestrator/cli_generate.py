@@ -8,6 +8,10 @@ import sys
 import grpc
 
 from orchestrator.client import MODES, SHAPES, GenerationClient, request
+from treeserve.v1 import treeserve_pb2 as pb
+
+# the finish reasons of a whole completion
+COMPLETE = (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_EOS, pb.FINISH_REASON_STOP)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,7 +49,7 @@ def token_ids(text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.tokens is None):
-        print("give a prompt or --tokens", file=sys.stderr)
+        print("treeserve generate: give a prompt or --tokens", file=sys.stderr)
         return 2
     prompt = args.prompt if args.tokens is None else args.tokens
     req = request(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -70,4 +74,5 @@ def run(args: argparse.Namespace) -> int:
     print(flush=True)
     print(f"[{res.generated_tokens} tokens, {res.tokens_per_s:.1f} tokens/s, mean accepted "
           f"{res.mean_accepted:.2f} tokens per target forward, finish: {res.finish_name}]", file=sys.stderr)
-    return 0
+    # cancelled (by a Cancel from elsewhere) or no end at all: the completion is not whole
+    return 0 if res.finish_reason in COMPLETE else 1

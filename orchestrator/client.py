@@ -43,6 +43,11 @@ def request(prompt: str | Sequence[int], *, max_new_tokens: int = 0, temperature
             top_p: float = 0.0, seed: int = 0, speculation: str = "auto", shape: str = "default", node_budget: int = 0,
             max_depth: int = 0, draft_ahead: bool = False, adaptive: bool = False, stop: Sequence[str] = (),
             request_id: str = "") -> "pb.GenerateRequest":
+    """A text prompt (str) or token ids; `stop`: one stop string or several."""
+    if isinstance(prompt, (bytes, bytearray)):
+        raise TypeError("a prompt is text (str) or token ids, not bytes: decode it first")
+    if isinstance(stop, str):
+        stop = [stop]  # one stop string, not one per character
     req = pb.GenerateRequest(
         request_id=request_id, max_new_tokens=max_new_tokens, stop=list(stop),
         sampling=pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),

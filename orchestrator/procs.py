@@ -2,6 +2,8 @@
 wait until its health check says SERVING, stop it."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import random
 import re
@@ -18,6 +20,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from treeserve import lifetime
+
+log = logging.getLogger("treeserve.procs")
 
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 _BIND_FAILED = "Failed to bind to address"  # grpc's words when a server cannot take its port
@@ -83,7 +87,8 @@ def wait_serving(address: str, timeout: float, service: str = "", alive=lambda: 
 
 
 class Child:
-    """`treeserve <args>` as a child process; output goes to `log_path` (a temp file by default).
+    """`treeserve <args>` as a child process; output goes to `log_path` (a temp file by default,
+    removed by `stop` unless the child failed: exited on its own, or did not start in time).
     `address` is known once `wait()` returns. The child ends when this process does, however this
     one ends (`treeserve.lifetime`)."""
 
@@ -91,6 +96,9 @@ class Child:
                  preexec=None, prefix: Sequence[str] = ()):
         self.name = name
         self.args = [str(a) for a in args]
+        self._temp_log = log_path is None
+        self._failed = False  # its log is kept: it says why
+        self._stopped = False
         self.log_path = log_path or tempfile.mkstemp(prefix=f"treeserve-{name}-", suffix=".log")[1]
         self._log = open(self.log_path, "ab")
         self._log_start = self._log.tell()  # a reused log file: an earlier run's 'listening on' is stale
@@ -119,10 +127,13 @@ class Child:
                 break
             if not self.alive():
                 out = self.output()
+                self._failed = True
                 failure = PortTaken if _BIND_FAILED in out else RuntimeError
-                raise failure(f"{self.name} exited with {self.proc.returncode}:\n{out[-3000:]}")
+                raise failure(f"{self.name} exited with {self.proc.returncode} (log: {self.log_path}):\n{out[-3000:]}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} did not start in {timeout:.0f} s:\n{self.output()[-3000:]}")
+                self._failed = True
+                raise TimeoutError(f"{self.name} did not start in {timeout:.0f} s (log: {self.log_path}):\n"
+                                   f"{self.output()[-3000:]}")
             time.sleep(0.1)
         wait_serving(self.address, max(1.0, deadline - time.monotonic()), alive=self.alive)
         return self.address
@@ -139,15 +150,25 @@ class Child:
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM to the service (it shuts down its own helpers, e.g. a private Ray instance),
         then SIGKILL to whatever is left of its process group."""
+        if self._stopped:
+            return
+        self._stopped = True
         if self.alive():
             try:
                 self.proc.send_signal(signal.SIGTERM)
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 pass
+        elif not self._failed:  # it had ended on its own: its log says why
+            self._failed = True
+            log.warning("%s had exited with %s before it was stopped; its log: %s", self.name,
+                        self.proc.returncode, self.log_path)
         self.kill()
         self._log.close()
         self._tether.close()
+        if self._temp_log and not self._failed:
+            with contextlib.suppress(OSError):
+                os.unlink(self.log_path)
 
     def kill(self) -> None:
         """SIGKILL the child (and its process group): a crash, as far as its peers can tell."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from treeserve import lifetime
@@ -27,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="treeserve",
         description="Speculative tree decoding for hybrid state-space models, served over gRPC.",
     )
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), help="logging level (default INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -41,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # text a terminal or pipe cannot encode comes out as '?' rather than as a traceback
+    sys.stdout.reconfigure(errors="replace")
     lifetime.end_with_parent()  # a child of `treeserve serve` ends with it
     module_name, help_text = COMMANDS[args.command]
     try:
@@ -53,7 +57,15 @@ def main(argv: list[str] | None = None) -> int:
         raise
     sub = argparse.ArgumentParser(prog=f"treeserve {args.command}", description=help_text)
     module.add_arguments(sub)
-    return int(module.run(sub.parse_args(rest)) or 0)
+    options = sub.parse_args(rest)
+    try:
+        return int(module.run(options) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: whatever the command started has been stopped on the way out
+        print(f"\ntreeserve {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader of our output went away (`| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141
 
 
 if __name__ == "__main__":

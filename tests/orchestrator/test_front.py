@@ -287,3 +287,10 @@ def test_a_stop_string_found_only_when_the_text_is_flushed_is_a_stop():
     msgs = list(stream)
     assert "".join(m.text for m in msgs) == "a"
     assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP
+
+
+def test_the_request_helper_takes_one_stop_string_and_refuses_bytes():
+    assert list(request("hi", stop="END").stop) == ["END"]
+    assert list(request("hi", stop=["a", "b"]).stop) == ["a", "b"]
+    with pytest.raises(TypeError, match="not bytes"):
+        request(b"abc")

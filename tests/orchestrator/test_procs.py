@@ -2,6 +2,8 @@
 log file an earlier run already wrote to."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from orchestrator.procs import Child, free_port
@@ -52,10 +54,25 @@ def test_a_child_whose_port_is_taken_says_so():
         port = holder.getsockname()[1]
         child = Child(["drafter", "--ngram", "--port", port], "drafter")
         try:
-            with pytest.raises(PortTaken, match="drafter exited"):
+            with pytest.raises(PortTaken, match="drafter exited") as info:
                 child.wait(60)
         finally:
             child.stop()
+    # a failed child's temp log is kept, and the error names it
+    assert f"(log: {child.log_path})" in str(info.value)
+    assert os.path.exists(child.log_path)
+    os.unlink(child.log_path)
+
+
+def test_a_temp_log_goes_with_a_child_that_ran_and_was_stopped():
+    child = Child(["drafter", "--ngram", "--port", 0], "drafter")
+    try:
+        child.wait(60)
+        assert os.path.exists(child.log_path)
+    finally:
+        child.stop()
+    assert not os.path.exists(child.log_path)
+    child.stop()  # twice: nothing more happens
 
 
 _TAKEN_PORT_DEMO = """

@@ -45,38 +45,36 @@ def drive(model, prompt, sampling, shape, ahead, calls=None, seed=0):
             appended = tuple(tree.tokens_along(path))
             call = DraftCall("s", call.committed_length + len(path), appended, bonus, Outcome(tuple(path), bonus))
         state = d._seqs["s"].state
-        probs = state.node_probs(replies[-1].tree)
+        logits = state.logits(replies[-1].tree)  # the draft model's own numbers, before any ranking
         length = state.length
     finally:
         d.close()
-    return replies, made, probs, length
+    return replies, made, logits, length
 
 
 @pytest.mark.parametrize("shape,sampling", [("dynamic", Sampling()), ("dynamic", Sampling(0.8, 0, 0.95, 11)),
                                             ("static", Sampling())], ids=["dynamic-greedy", "dynamic-sampling", "static"])
 def test_hits_equal_fresh_drafting_and_state_stays_exact(draft_model, prompt, shape, sampling):
     slots_before = len(draft_model.lm.pool.in_use())
-    ahead, calls, probs_a, length = drive(draft_model, prompt, sampling, shape, AheadConfig(trees=4, fanout=4))
+    ahead, calls, logits_a, length = drive(draft_model, prompt, sampling, shape, AheadConfig(trees=4, fanout=4))
     hits = [r.from_draft_ahead for r in ahead]
     assert any(hits) and not all(hits[1:])
     # the same requests with draft-ahead predicting nothing: every tree is drafted fresh
-    fresh, _, probs_f, _ = drive(draft_model, prompt, sampling, shape, AheadConfig(trees=0), calls=calls)
+    fresh, _, logits_f, _ = drive(draft_model, prompt, sampling, shape, AheadConfig(trees=0), calls=calls)
     assert not any(r.from_draft_ahead for r in fresh)
     for a, f in zip(ahead, fresh):
         assert a.tree == f.tree
-    assert torch.equal(probs_a, probs_f)
+    assert torch.equal(logits_a, logits_f)
     # and the state is that of the committed tokens: compare with prefilling them from scratch
     committed = list(prompt) + [t for c in calls[1:] for t in c.appended]
     assert len(committed) == length
     ref = DraftState.open("ref", committed, sampling, None, draft_model)
     try:
-        from drafter_service.children import ChildPicker, rule_for
-
-        picker = ChildPicker(sampling, rule_for(sampling, True))
-        ref_probs = picker.ranking_probs(ref.logits(ahead[-1].tree))
+        ref_logits = ref.logits(ahead[-1].tree)
     finally:
         ref.release()
-    assert torch.allclose(probs_a, ref_probs, atol=1e-5)
+    # logits, not probabilities: a token of early context left out moves the latter by ~1e-6 only
+    assert torch.allclose(logits_a, ref_logits, rtol=0, atol=2e-5), (logits_a - ref_logits).abs().max()
     assert len(draft_model.lm.pool.in_use()) == slots_before  # no slot leaked by jobs
 
 

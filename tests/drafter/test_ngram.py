@@ -28,13 +28,20 @@ def test_no_match_and_distinct():
 def test_tree_holds_prompt_continuation_within_budget_and_depth():
     history = [10, 11, 12, 13, 14, 20, 21, 10, 11, 12, 15, 16, 10, 11]
     state = DraftState("s", Sampling(), TokenHistory(history))
-    for budget, depth in [(16, 6), (4, 6), (16, 2), (1, 4)]:
+    # after "10 11 12" came "15 16 ..." (the latest match, first) and "13 14 ...": the best match's
+    # continuation whole, then the other's, each cut to the depth, the whole cut to the budget
+    expected = {
+        (16, 6): [[15, 16, 10, 11, 12], [13, 14, 20, 21, 10, 11]],
+        (4, 6): [[15, 16, 10]],
+        (16, 2): [[15, 16], [13, 14]],
+        (1, 4): [[]],
+    }
+    for (budget, depth), paths in expected.items():
         tree = NgramProposer().propose(state, 12, budget, depth).tree.validate(1000, budget)
         assert tree.size <= budget and max(tree.depths()) <= depth
         assert tree.tokens[0] == 12
-        if budget >= 3 and depth >= 2:
-            # after "10 11 12" came "13 14" and "15 16": both branches are in the tree
-            assert tree.child_with_token(0, 13) is not None or tree.child_with_token(0, 15) is not None
+        leaves = [list(tree.tokens_along(tree.path_to(i))[1:]) for i in range(tree.size) if not tree.children(i)]
+        assert leaves == paths, (budget, depth, tree)
 
 
 def test_drafter_ngram_follows_committed_text():

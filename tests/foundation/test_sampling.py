@@ -1,6 +1,8 @@
 """Sampling transform and counter-based randomness."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from scipy import stats
@@ -59,6 +61,27 @@ def test_truncations_name_what_applies():
     assert Sampling(0.5, top_p=0.9).truncations == sampling.Truncations(top_k=False, top_p=True)
     assert torch.equal(sampling.transform_values(Sampling()), torch.zeros(3))
     assert sampling.transform_values(Sampling(0.5, 4, 0.9)).tolist() == pytest.approx([2.0, 4.0, 0.9])
+
+
+def test_top_k_then_top_p_by_hand():
+    """Worked by hand, independent of `transform`: top-k first, then top-p over what top-k kept
+    (renormalised): the smallest set of most likely tokens whose mass reaches top_p."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    # top-k 2 keeps [e^2, e^1] / (e^2 + e^1) = [0.731, 0.269]: 0.731 alone reaches 0.7
+    assert sampling.transform(logits, Sampling(temperature=1.0, top_k=2, top_p=0.7)).tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    # top-p 0.75 over all four ([0.644, 0.237, 0.087, 0.032]) needs the first two, 0.881 of the mass
+    e = torch.exp(logits[0]).tolist()
+    want = [e[0] / (e[0] + e[1]), e[1] / (e[0] + e[1]), 0.0, 0.0]
+    assert sampling.transform(logits, Sampling(temperature=1.0, top_p=0.75)).tolist()[0] == pytest.approx(want)
+    # probabilities 0.5, 0.25, 0.15, 0.1: just under 0.75 two tokens reach it, just over it three
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]]))
+    under = sampling.transform(logits, Sampling(temperature=1.0, top_p=0.7499)).tolist()[0]
+    over = sampling.transform(logits, Sampling(temperature=1.0, top_p=0.7501)).tolist()[0]
+    assert under == pytest.approx([2 / 3, 1 / 3, 0.0, 0.0])
+    assert over == pytest.approx([0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0.0])
+    # and temperature before both: T = 0.5 doubles the logits
+    sharp = sampling.transform(torch.tensor([[1.0, 0.5, 0.0]]), Sampling(temperature=0.5, top_k=2)).tolist()[0]
+    assert sharp == pytest.approx([math.e / (math.e + 1), 1 / (math.e + 1), 0.0])
 
 
 @pytest.mark.parametrize("temperature", [1e-39, 1e-30, 1e-6])

@@ -73,6 +73,16 @@ def test_prefix_merge(seqs, budget):
     if tree.size < budget:  # nothing was cut: every continuation is fully present
         for s in seqs:
             assert tuple(s) in seen
+    # continuations are taken in order, each as far as the budget lets it go: an independent
+    # account of which prefixes are kept
+    kept = {()}
+    for s in seqs:
+        for n in range(1, len(s) + 1):
+            if tuple(s[:n]) not in kept:
+                if len(kept) >= budget:
+                    break
+                kept.add(tuple(s[:n]))
+    assert set(seen) == kept
 
 
 def test_chain_and_single():

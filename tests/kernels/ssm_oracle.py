@@ -119,10 +119,11 @@ def nan_output(shape, dtype, device):
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
-def assert_compiles_for_sm90(kernels, run, spills_ok=lambda spec: False) -> list[dict]:
+def assert_compiles_for_sm90(kernels, run, spills_ok=lambda spec: False, spill_bytes=lambda spec: 0) -> list[dict]:
     """Record the launches `run()` makes of the interpreted `kernels`, compile each for an H100
     (sm_90, full pipeline down to ptxas) in a clean process, and require success, and no register
-    spills unless `spills_ok(spec)` (spec: see tests.kernels.sm90.launch_spec). Kernels with a `PDL`
+    spills unless `spills_ok(spec)` (spec: see tests.kernels.sm90.launch_spec), or at most
+    `spill_bytes(spec)` bytes of them (a known small spill, bounded). Kernels with a `PDL`
     constexpr compile with it on, and must then carry both grid-dependency instructions."""
     import contextlib
 
@@ -145,7 +146,8 @@ def assert_compiles_for_sm90(kernels, run, spills_ok=lambda spec: False) -> list
         assert res["ok"], f"{spec['name']} {spec['constexprs']}: {res['error']}"
         if "PDL" in spec["constexprs"]:
             assert res["grid_dependency_control"], f"{spec['name']}: no griddepcontrol in its PTX"
-        assert res["spill_bytes"] == 0 or spills_ok(spec), f"{spec['name']} {spec['constexprs']} spills: {res}"
+        assert res["spill_bytes"] <= spill_bytes(spec) or spills_ok(spec), \
+            f"{spec['name']} {spec['constexprs']} spills: {res}"
     return results
 
 

@@ -215,3 +215,25 @@ def test_accept_nodes_rejects_when_u_times_q_equals_p(device="cpu"):
     assert want[0, 0].item() == -1 and torch.equal(got.cpu(), want)
     p[0, tok] = u + 2.0 ** -24  # just above: accepted
     assert na.accept_nodes(p.to(device), q.to(device), children.to(device), args[0], args[1], args[2].to(device))[0, 0].item() == 0
+
+
+def test_compiles_for_sm90():
+    """The Gumbel-max and acceptance kernels, launched as above (fp32 and bf16 logits, with and
+    without a top-k floor, vocabularies past one block), compile for an H100 without register
+    spills (but one of 4 bytes); CI has no GPU, and these otherwise meet a compiler only in the GPU
+    tests."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from tests.kernels.ssm_oracle import assert_compiles_for_sm90
+
+    def run_all():
+        for rows, vocab, dtype, top_k in ((3, 300, torch.float32, 0), (2, 5000, torch.bfloat16, 20)):
+            logits, floor, positions = gumbel_inputs(rows, vocab, dtype, 0.7, top_k, seed=0)
+            ga.gumbel_argmax(logits, 0.7, floor, 123, positions)
+        rng = random.Random(3)
+        for kind, n, vocab in (("random", 12, 300), ("chain", 4, 8200)):
+            p, q, children, positions = acceptance_inputs(kind, n, vocab, rng, "cpu", "far")
+            na.accept_nodes(p, q, children, 11, 12, positions)
+
+    # the top-k floor's variant spills 4 bytes (one register) at 1024-wide blocks: known and bounded
+    assert_compiles_for_sm90([ga._gumbel_max_kernel, na._accept_nodes_kernel], run_all,
+                             spill_bytes=lambda spec: 4 if spec["constexprs"].get("HAS_FLOOR") else 0)

@@ -103,3 +103,17 @@ def test_arguments_that_do_not_fit_are_refused(step):
 def test_no_tree_for_a_budget_of_one():
     with pytest.raises(ValueError, match="no tree to grow"):
         GrowthTables(Shape(1, 2, 4), torch.device("cpu"))
+
+
+def test_compiles_for_sm90():
+    """The level kernel, at a small and the largest node bucket, ranked and drawn, compiles for an
+    H100 without register spills (its GPU tests are the only other place it meets a compiler)."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from kernels import tree_growth
+    from tests.kernels.ssm_oracle import assert_compiles_for_sm90
+
+    def run_all():
+        for shape, drawn in ((Shape(5, 4, 8), False), (Shape(16, 5, 16, 16), True), (Shape(24, 4, 32), False)):
+            growth_runs.run(shape, 0, drawn, False, grow_level, grow_level_ref, "cpu")
+
+    assert_compiles_for_sm90([tree_growth._grow_level_kernel], run_all)

@@ -64,6 +64,31 @@ def assert_follows(counts: np.ndarray, p: np.ndarray, what: str) -> None:
     assert res.pvalue > ALPHA, f"{what}: chi-square p = {res.pvalue:.2e}\nobserved {counts}\nexpected {np.round(exp, 1)}"
 
 
+def assert_follows_given(pairs: np.ndarray, p_next: np.ndarray, what: str) -> None:
+    """Chi-square of the counts `pairs[a, b]` of b following a against p_next[a, b], every `a` that
+    occurred at once (each row's total fixed by what it observed: one degree of freedom less per
+    row); cells with tiny expectations are pooled."""
+    rows = [a for a in range(len(pairs)) if pairs[a].sum() > 0]
+    obs, exp = [], []
+    small_obs = small_exp = 0.0
+    for a in rows:
+        p = np.asarray(p_next[a], dtype=np.float64)
+        p = p / p.sum()
+        assert pairs[a][p == 0].sum() == 0, f"{what}: after {a}, a token the target gives probability 0"
+        e = p * pairs[a].sum()
+        big = e >= 5
+        obs += list(pairs[a][big])
+        exp += list(e[big])
+        small_obs += pairs[a][~big & (p > 0)].sum()
+        small_exp += e[~big & (p > 0)].sum()
+    if small_exp > 0:
+        obs.append(small_obs)
+        exp.append(small_exp)
+    assert len(obs) > len(rows), f"{what}: nothing to test"
+    res = stats.chisquare(obs, exp, ddof=len(rows) - 1)
+    assert res.pvalue > ALPHA, f"{what}: chi-square p = {res.pvalue:.2e} over {len(rows)} first tokens"
+
+
 def draws_without_replacement(q: np.ndarray, k: int, n: int, rng) -> np.ndarray:
     """(n, k) ordered samples without replacement from q (Gumbel-top-k)."""
     with np.errstate(divide="ignore"):
@@ -182,6 +207,9 @@ def test_multi_draft_walk(case):
     for tok in range(V):
         if second[tok].sum() >= 300:
             assert_follows(second[tok], p_next[tok].numpy(), f"walk {case}: second token after {tok}")
+    # and every first token's second together (the rarer ones too), in one test
+    assert second.sum() > n // 2, "too few walks went past their first token for the test to say anything"
+    assert_follows_given(second, p_next.numpy(), f"walk {case}: second token given the first")
 
 
 def _truncated(q: np.ndarray, keep: int) -> SparseDist:

@@ -3,12 +3,15 @@ report the decode rate and the mean number of tokens per target forward pass."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
 
 from orchestrator.client import MODES, SHAPES, GenerationClient, request
 from treeserve.v1 import treeserve_pb2 as pb
+
+AUTH_TOKEN_ENV = "TREESERVE_AUTH_TOKEN"
 
 # the finish reasons of a whole completion
 COMPLETE = (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_EOS, pb.FINISH_REASON_STOP)
@@ -32,7 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-ahead", action="store_true", help="let the drafter prepare trees for likely outcomes")
     p.add_argument("--adaptive", action="store_true", help="adaptive budget with an explicit --speculation mode")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--auth-token", default=None)
+    # a client's only: the servers started beside it (`serve`'s children) must not pick it up
+    p.add_argument("--auth-token", default=os.environ.get(AUTH_TOKEN_ENV) or None, metavar="TOKEN",
+                   help=f"send 'authorization: Bearer TOKEN' (default: ${AUTH_TOKEN_ENV}; a flag shows in `ps`)")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
 
 

@@ -83,3 +83,18 @@ def test_the_fronts_limits_are_options_of_serve_as_of_orchestrator():
         limits_from(parse("--max-new-tokens", "100"))  # the default default, 256, is above it
     with pytest.raises(SystemExit):
         parse("--default-max-new-tokens", "0")
+
+
+def test_generate_takes_its_token_from_the_environment(monkeypatch):
+    from orchestrator import cli_generate
+
+    def parse_generate(*argv):
+        p = argparse.ArgumentParser()
+        cli_generate.add_arguments(p)
+        return p.parse_args(list(argv))
+
+    monkeypatch.delenv(cli_generate.AUTH_TOKEN_ENV, raising=False)
+    assert parse_generate("hi").auth_token is None
+    monkeypatch.setenv(cli_generate.AUTH_TOKEN_ENV, "s3cret")
+    assert parse_generate("hi").auth_token == "s3cret"
+    assert parse_generate("hi", "--auth-token", "other").auth_token == "other"

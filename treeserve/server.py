@@ -18,7 +18,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from treeserve.errors import ResourceExhausted, Unavailable, status_of
+from treeserve.errors import InvalidArgument, ResourceExhausted, Unavailable, status_of
 from treeserve.v1 import treeserve_pb2 as pb
 
 log = logging.getLogger("treeserve.server")
@@ -89,9 +89,8 @@ def with_raw_requests(register: Callable, methods: Iterable[str]) -> Callable:
     servicer as bytes, unparsed (no request deserializer), for the servicer to parse itself:
     grpcio answers a request its deserializer rejects with INTERNAL ("Exception deserializing
     request!"), where a request that does not parse is the client's error, which the servicer
-    can report as such (INVALID_ARGUMENT). The other methods with one request message have it
-    parsed in the call, before the servicer sees it, and one that does not parse is answered
-    INVALID_ARGUMENT (`_parsed_in_call`); methods that stream requests are registered as generated."""
+    can report as such (INVALID_ARGUMENT). The other methods have their requests parsed in the call
+    instead (`_parsed_in_call`), so that one that does not parse is INVALID_ARGUMENT there too."""
     raw = frozenset(methods)
 
     def add(servicer, server) -> None:
@@ -145,21 +144,32 @@ def _unparsed(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 def _parsed_in_call(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """`handler` (of one request message) with its request parsed by its own deserializer inside
-    the call, so that bytes that do not parse (a truncated message, a string field that is not
-    UTF-8) are answered INVALID_ARGUMENT, not grpcio's INTERNAL. Others are returned as they are."""
+    """`handler` with its requests parsed by its own deserializer inside the call, so that bytes
+    that do not parse (a truncated message, a string field that is not UTF-8) are answered
+    INVALID_ARGUMENT, not grpcio's INTERNAL: a lone request before the servicer runs, each of a
+    stream's as the servicer reads it (an InvalidArgument that its `grpc_errors` reports)."""
     parse = handler.request_deserializer
-    if handler.request_streaming or parse is None:
+    if parse is None:
         return handler
     factory, behaviour = _HANDLER_KINDS[handler.request_streaming, handler.response_streaming]
     serve = getattr(handler, behaviour)
 
-    def call(data: bytes, context):
+    def parsed(data: bytes):
         try:
-            request = parse(data)
+            return parse(data)
         except DecodeError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request does not parse: {exc}")
-        return serve(request, context)
+            raise InvalidArgument(f"the request does not parse: {exc}") from None
+
+    if handler.request_streaming:
+        def call(requests, context):
+            return serve((parsed(data) for data in requests), context)
+    else:
+        def call(data: bytes, context):
+            try:
+                request = parsed(data)
+            except InvalidArgument as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return serve(request, context)
 
     return factory(call, request_deserializer=None, response_serializer=handler.response_serializer)
 

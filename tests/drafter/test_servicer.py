@@ -95,3 +95,23 @@ def test_an_unknown_shape_is_refused_not_drafted_as_the_default(ngram):
         servicer.StartSequence(req, Context())
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "42" in str(refused.value)
     assert ngram.active() == 0
+
+
+def test_bytes_that_do_not_parse_are_invalid_argument_unary_and_streamed(ngram):
+    """A StartSequence and a Speculate request whose sequence id is not UTF-8: INVALID_ARGUMENT,
+    where grpcio's own parse answers INTERNAL; the server goes on serving."""
+    server = serve(ngram, "127.0.0.1:0")
+    bad = b"\x0a\x02\xff\xfe"  # field 1 (the sequence id, a string): two bytes that are not UTF-8
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            with pytest.raises(grpc.RpcError) as unary:
+                ch.unary_unary("/treeserve.v1.Drafter/StartSequence")(bad, timeout=10)
+            with pytest.raises(grpc.RpcError) as streamed:
+                list(ch.stream_stream("/treeserve.v1.Drafter/Speculate")(iter([bad]), timeout=10))
+        for info in (unary, streamed):
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+            assert "does not parse" in info.value.details()
+        with DrafterClient(f"127.0.0.1:{server.port}", timeout=5) as client:
+            assert client.stats().strategy
+    finally:
+        server.stop()

@@ -369,7 +369,7 @@ class HybridLM(nn.Module):
         `GraphRunner.prefill_tokens` tokens runs through them in pieces (`GraphRunner.prefill`);
         the rest (all of them without graphs, and a prompt with a piece whose graph failed to
         capture) run in one eager forward, packed. After an exception the slots' states are
-        unspecified: the callers free them."""
+        unspecified (spoiled: no earlier verify of them commits any more); the callers free them."""
         slots = self._check(slots, len(prompts), "prefill")
         if not slots:
             return self._empty_logits()
@@ -382,14 +382,26 @@ class HybridLM(nn.Module):
         graphed = [self.graphs is not None and self.graphs.takes_prefill(len(p)) for p in prompts]
         out = [None] * len(prompts)
         eager = [i for i, g in enumerate(graphed) if not g]
-        if eager:
-            logits = self._prefill_packed([slots[i] for i in eager], [prompts[i] for i in eager])
-            for row, i in enumerate(eager):
-                out[i] = logits[row : row + 1]
-        for i, g in enumerate(graphed):
-            if g:
-                out[i] = self.graphs.prefill(slots[i], prompts[i])
+        with self._spoiled_on_failure(slots):
+            if eager:
+                logits = self._prefill_packed([slots[i] for i in eager], [prompts[i] for i in eager])
+                for row, i in enumerate(eager):
+                    out[i] = logits[row : row + 1]
+            for i, g in enumerate(graphed):
+                if g:
+                    out[i] = self.graphs.prefill(slots[i], prompts[i])
         return torch.cat(out)
+
+    @contextlib.contextmanager
+    def _spoiled_on_failure(self, slots: Sequence[int]):
+        """Layers update the slots' states as a forward goes: one that fails partway leaves them
+        unspecified, and a verify taken before must not commit onto them (`StatePool.spoil`)."""
+        try:
+            yield
+        except BaseException:
+            for s in slots:
+                self.pool.spoil(s)
+            raise
 
     @torch.no_grad()
     def _prefill_packed(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
@@ -416,11 +428,12 @@ class HybridLM(nn.Module):
             self.pool.check_room(s, 1, "decode")
         lens = [self.pool.length(s) for s in slots]
         out = None
-        if self.graphs is not None and self.graphs.can_decode(len(slots)):
-            out = self.graphs.decode(slots, lens, tokens)
-        if out is None:
-            batch = packing.pack_decode(slots, lens, tokens, self.device)
-            out = self.logits(self.hidden("decode", batch))
+        with self._spoiled_on_failure(slots):
+            if self.graphs is not None and self.graphs.can_decode(len(slots)):
+                out = self.graphs.decode(slots, lens, tokens)
+            if out is None:
+                batch = packing.pack_decode(slots, lens, tokens, self.device)
+                out = self.logits(self.hidden("decode", batch))
         for s in slots:
             self.pool.advance(s, 1)
         return out
@@ -447,7 +460,8 @@ class HybridLM(nn.Module):
             empty = self._empty_logits()
             return VerifyResult(None, [0], [], reduce(empty)) if reduce is not None else VerifyResult(empty, [0], [])
         for s, t in zip(slots, trees):
-            if len(t.tokens) == 0 or len(t.parents) != len(t.tokens) or t.parents[0] != -1:
+            if len(t.tokens) == 0 or len(t.parents) != len(t.tokens) or t.parents[0] != -1 \
+                    or any(not 0 <= p < i for i, p in enumerate(t.parents) if i):  # topological, one root
                 raise ValueError(f"verify: malformed tree for slot {s}")
             self._check_tokens(t.tokens, "verify")
             self.pool.check_room(s, len(t.tokens), "verify")

@@ -141,6 +141,11 @@ class StatePool:
     def _bump(self, slot: int) -> None:
         self._versions[slot] += 1
 
+    def spoil(self, slot: int) -> None:
+        """A call that changes `slot`'s state failed partway: its state is unspecified, and no
+        handle taken before (a pending verify) may be committed onto it (StaleHandle)."""
+        self._bump(slot)
+
     # ---- per-layer views --------------------------------------------------------------------
     def ssm_layer(self, i: int) -> torch.Tensor:
         """(S + 1, H, P, N) view of the i-th Mamba2 block's states."""

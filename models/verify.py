@@ -212,22 +212,31 @@ def commit(
 
     Raises StaleHandle if a slot changed since its verification (already committed, decoded,
     prefilled, forked into or freed), ValueError for a malformed path or a slot named twice.
-    Every item is checked before any state changes: a call applies all its commits or none.
+    Every item is checked before any state changes: a call that raises those applies none. One
+    that fails later (a device error midway) leaves the slots' states unspecified: their handles
+    are consumed and the slots spoiled (`StatePool.spoil`), so a retry raises StaleHandle instead of
+    applying a commit twice.
     `graphs` (a models.graphs.GraphRunner, or None): replays the commit as one CUDA graph where it
     can (see `GraphRunner.commit`); otherwise the same program runs eagerly.
     """
     if not items:
         return
     paths = check_commit(pool, items)
-    if graphs is None or not graphs.commit(items, paths):
-        stash, pendings = items[0][0].stash, list(items)
-        if any(p.stash is not stash for p, _ in items):
-            stash, moved = merged_stash(items)
-            pendings = [(m, path) for m, (_, path) in zip(moved, items)]
-        steps = eager_steps(max(len(p) for p in paths))
-        attn_rows = sum(len(p) for p in paths)
-        meta = commit_meta(pendings, paths, len(items), steps, attn_rows, pool.scratch_slot).to(pool.device)
-        run_commit(pool, stash, meta, len(items), steps, attn_rows, A_all, dt_bias_all, dt_limit)
+    try:
+        if graphs is None or not graphs.commit(items, paths):
+            stash, pendings = items[0][0].stash, list(items)
+            if any(p.stash is not stash for p, _ in items):
+                stash, moved = merged_stash(items)
+                pendings = [(m, path) for m, (_, path) in zip(moved, items)]
+            steps = eager_steps(max(len(p) for p in paths))
+            attn_rows = sum(len(p) for p in paths)
+            meta = commit_meta(pendings, paths, len(items), steps, attn_rows, pool.scratch_slot).to(pool.device)
+            run_commit(pool, stash, meta, len(items), steps, attn_rows, A_all, dt_bias_all, dt_limit)
+    except BaseException:
+        for pending, _ in items:
+            pending.consumed = True
+            pool.spoil(pending.slot)
+        raise
     for (pending, _), path in zip(items, paths):
         pending.consumed = True
         pool.advance(pending.slot, len(path))

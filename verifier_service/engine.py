@@ -223,15 +223,19 @@ class Engine:
 
     def _apply_commits(self, pairs: list[tuple[Sequence, list[int]]]) -> dict[str, BaseException]:
         """Commit every (sequence, path) in one runtime call; returns the errors by sequence id.
-        Should the batched call fail, each commit is retried alone so one bad commit cannot fail
-        the others (a commit the runtime did apply before failing shows in the slot's length)."""
+        Should the batched call fail before changing anything (a stale handle, a bad path), each
+        commit is retried alone so one bad commit cannot fail the others (a commit the runtime did
+        apply before failing shows in the slot's length). Should it fail midway (a device error),
+        the states of its sequences are unknown: they are released, and each gets
+        FAILED_PRECONDITION (prefill it again), never a commit applied twice."""
         if not pairs:
             return {}
         try:
             self.lm.commit([(seq.verified.pending, path) for seq, path in pairs])
         except Exception as exc:  # noqa: BLE001 - isolated below
-            if len(pairs) == 1:
-                return {pairs[0][0].id: self._commit_failed(pairs[0][0], exc)}
+            midway = not isinstance(exc, (StaleHandle, ValueError))  # those come before any change
+            if midway or len(pairs) == 1:
+                return {seq.id: self._commit_failed(seq, exc, lost=midway) for seq, _ in pairs}
         else:
             for seq, path in pairs:
                 applied(seq, path)
@@ -249,9 +253,13 @@ class Engine:
                 applied(seq, path)
         return failed
 
-    def _commit_failed(self, seq: Sequence, exc: BaseException) -> BaseException:
+    def _commit_failed(self, seq: Sequence, exc: BaseException, lost: bool = False) -> BaseException:
         log.warning("commit of sequence %r failed: %s", seq.id, exc)
         seq.verified = None  # whatever was pending is unusable now
+        if lost:
+            self.release(seq.id)
+            return FailedPrecondition(f"sequence {seq.id!r} lost its state in a commit that failed ({exc}); "
+                                      "prefill it again")
         return runtime_error(exc)
 
     def _forward(self, ready: list[tuple[int, Sequence]], works: list[VerifyWork], outputs: list[ItemOutput]) -> None:

@@ -9,6 +9,7 @@ import torch
 from models import HybridLM, SequenceTooLong, SlotsExhausted, StaleHandle
 from tests.models.hf_zoo import ARCHS, random_prompt
 from tests.models.trees import random_tree
+from treeserve.tree import TokenTree
 
 
 def test_exhaustion_and_reuse(saved):
@@ -218,3 +219,47 @@ def test_a_failing_commit_applies_nothing(saved):
     assert (lm.pool.length(a), lm.pool.length(b)) == (2, 3)
     lm.commit([(res.pending[0], [0, 1]), (res.pending[1], [0, 1, 2])])
     assert (lm.pool.length(a), lm.pool.length(b)) == (4, 6)
+
+
+def test_a_commit_or_decode_that_fails_midway_leaves_no_handle_to_commit_again(saved, monkeypatch):
+    """A device error after the state moved (injected: the commit's program runs, then raises):
+    the handles are consumed and the slots spoiled, so a retry raises StaleHandle instead of
+    applying the commit twice. A decode that fails partway spoils its slots the same way."""
+    from models import verify as verify_module
+
+    lm = HybridLM.from_pretrained(saved("nemotron_h")[0], max_slots=2, max_len=32)
+    a, b = lm.pool.alloc(), lm.pool.alloc()
+    lm.prefill([a, b], [[1, 2], [3, 4, 5]])
+    tree = random_tree(random.Random(5), 6, 4, "chain")
+    res = lm.verify([a, b], [tree, tree])
+    run_commit = verify_module.run_commit
+
+    def fails_after_running(*args, **kwargs):
+        run_commit(*args, **kwargs)
+        raise RuntimeError("device error")
+
+    monkeypatch.setattr(verify_module, "run_commit", fails_after_running)
+    with pytest.raises(RuntimeError, match="device error"):
+        lm.commit([(res.pending[0], [0, 1]), (res.pending[1], [0, 1])])
+    monkeypatch.setattr(verify_module, "run_commit", run_commit)
+    for pending in res.pending:
+        with pytest.raises(StaleHandle):
+            lm.commit([(pending, [0, 1])])
+    assert (lm.pool.length(a), lm.pool.length(b)) == (2, 3)
+
+    res = lm.verify([a], [tree])
+    monkeypatch.setattr(lm, "hidden", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("device error")))
+    with pytest.raises(RuntimeError, match="device error"):
+        lm.decode([a], [7])
+    with pytest.raises(StaleHandle):
+        lm.commit([(res.pending[0], [0])])
+
+
+def test_a_tree_out_of_topological_order_is_refused(saved):
+    lm = HybridLM.from_pretrained(saved("mamba2")[0], max_slots=1, max_len=32)
+    s = lm.pool.alloc()
+    lm.prefill([s], [[1, 2, 3]])
+    for parents in ((-1, 2, 0), (-1, 0, -1), (-1, 1)):
+        tree = TokenTree((4, 5, 6)[:len(parents)], parents)
+        with pytest.raises(ValueError, match="malformed tree"):
+            lm.verify([s], [tree])

@@ -551,3 +551,27 @@ def test_a_failing_liveness_check_fails_only_its_own_caller(make):
     assert isinstance(out_a.error, RuntimeError) and status_of(out_a.error)[0] == grpc.StatusCode.INTERNAL
     assert isinstance(fop.exception(30), RuntimeError)
     assert fb.result(30).outputs[0].error is None
+
+
+def test_sequences_whose_commit_failed_midway_are_released_not_committed_twice(make, monkeypatch):
+    """Two sequences' piggy-backed commits fail in the runtime after the state moved (a device
+    error, injected): each item gets FAILED_PRECONDITION and its sequence is released (its state
+    is unknown), where the retry one by one once applied each commit a second time and answered OK."""
+    from models import verify as verify_module
+    from treeserve.errors import FailedPrecondition
+
+    engine, _ = make()
+    seqs = _prefill(engine, 2)
+    trees = {sid: TokenTree.chain([root, 4, 5]) for sid, _, root in seqs}
+    engine.verify([VerifyWork(sid, L, trees[sid]) for sid, L, _ in seqs])
+    run_commit = verify_module.run_commit
+
+    def fails_after_running(*args, **kwargs):
+        run_commit(*args, **kwargs)
+        raise RuntimeError("device error")
+
+    monkeypatch.setattr(verify_module, "run_commit", fails_after_running)
+    report = engine.verify([VerifyWork(sid, L + 2, TokenTree.single(9), commit=(L, (0, 1))) for sid, L, _ in seqs])
+    for out in report.outputs:
+        assert isinstance(out.error, FailedPrecondition) and "prefill it again" in str(out.error)
+    assert len(engine.table) == 0

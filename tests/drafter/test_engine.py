@@ -1,6 +1,7 @@
 """Request rules of the drafter engine: errors carry the right code and change nothing; other
 sequences are unaffected; retries and resets behave; sequence lengths are bounded; idle sequences
 are swept; concurrent starts of one id leave one state."""
+import contextlib
 import math
 import threading
 import time
@@ -160,6 +161,23 @@ class Clock:
         return self.now
 
 
+@contextlib.contextmanager
+def restarting(d: Drafter, sid: str):
+    """Inside: a StartSequence of `sid` (with 4 tokens) is running, held up by a draft of the old
+    `sid` (3 tokens) in flight; on leaving, that draft ends and the start completes."""
+    d.start(sid, [1, 2, 3])
+    old = d._seqs[sid]
+    old.lock.acquire()
+    start = threading.Thread(target=d.start, args=(sid, [1, 2, 3, 4]))
+    start.start()
+    try:
+        wait_until(lambda: sid in d._starting)
+        yield
+    finally:
+        old.lock.release()
+        start.join(30)
+
+
 def test_a_second_start_while_one_is_starting_is_refused_and_no_slot_leaks(draft_model):
     """StartSequence A for an id whose old sequence is busy waits for it; StartSequence B for the
     same id meanwhile once found nothing to replace and opened a second state, which A then
@@ -168,17 +186,8 @@ def test_a_second_start_while_one_is_starting_is_refused_and_no_slot_leaks(draft
     pool = draft_model.lm.pool
     before = len(pool.in_use())
     try:
-        d.start("x", [1, 2, 3])
-        old = d._seqs["x"]
-        old.lock.acquire()  # a draft of the old "x" in flight
-        a = threading.Thread(target=d.start, args=("x", [1, 2, 3, 4]))
-        a.start()
-        try:
-            wait_until(lambda: "x" in d._starting)
+        with restarting(d, "x"):
             assert code_of(lambda: d.start("x", [1, 2])) == grpc.StatusCode.FAILED_PRECONDITION
-        finally:
-            old.lock.release()
-            a.join(30)
         assert d.active() == 1 and d._seqs["x"].state.length == 4  # A's sequence
         assert len(pool.in_use()) == before + 1
         assert d.end("x")
@@ -194,17 +203,8 @@ def test_an_end_while_the_sequence_is_starting_ends_it_once_started(draft_model)
     pool = draft_model.lm.pool
     before = len(pool.in_use())
     try:
-        d.start("x", [1, 2, 3])
-        old = d._seqs["x"]
-        old.lock.acquire()  # a draft of the old "x" in flight
-        start = threading.Thread(target=d.start, args=("x", [1, 2, 3, 4]))
-        start.start()
-        try:
-            wait_until(lambda: "x" in d._starting)
+        with restarting(d, "x"):
             assert d.end("x") is True
-        finally:
-            old.lock.release()
-            start.join(30)
         assert d.active() == 0 and "x" not in d._seqs
         assert len(pool.in_use()) == before
         d.start("x", [1, 2])  # and the id starts afresh

@@ -424,6 +424,21 @@ def test_after_a_burst_the_pool_gives_calls_to_threads_that_may_run_the_model(ma
         pool.shutdown()
 
 
+def watch_waits(batcher) -> threading.Event:
+    """Set once the batcher waits in a batching window for company (a `_take` with a timeout,
+    not a look at what is queued)."""
+    waited = threading.Event()
+    take = batcher._take
+
+    def watched_take(timeout):
+        if timeout > 0:
+            waited.set()
+        return take(timeout)
+
+    batcher._take = watched_take
+    return waited
+
+
 @pytest.mark.parametrize("limits, tree_nodes", [({"max_batch": 2}, 1), ({"max_batch_nodes": 20}, 10)],
                          ids=["items", "nodes"])
 def test_a_request_split_over_forwards_does_not_wait_for_itself(make, limits, tree_nodes):
@@ -433,21 +448,13 @@ def test_a_request_split_over_forwards_does_not_wait_for_itself(make, limits, tr
     engine, batcher = make(batch_window_ms=60_000, **limits)
     seqs = _prefill(engine, 3)
     works = [VerifyWork(sid, L, TokenTree.chain([root] + [7] * (tree_nodes - 1))) for sid, L, root in seqs]
-    waits = []
-    take = batcher._take
-
-    def watched_take(timeout):
-        if timeout > 0:  # a wait for company, not a look at what is queued
-            waits.append(timeout)
-        return take(timeout)
-
-    batcher._take = watched_take
+    waits = watch_waits(batcher)
     batcher.start()
     for _ in range(3):
         reply = batcher.verify(works).result(30)
         assert all(o.error is None for o in reply.outputs)
     assert engine.forward_passes == 6
-    assert waits == []
+    assert not waits.is_set()
 
 
 def test_an_endless_window_waits_without_overflow_until_its_company_comes(make):
@@ -460,15 +467,7 @@ def test_an_endless_window_waits_without_overflow_until_its_company_comes(make):
     first = [batcher.verify([one[a]]), batcher.verify([one[b]])]  # separate requests, one forward
     batcher.start()
     assert [f.result(30).batch_sequences for f in first] == [2, 2]
-    in_window = threading.Event()
-    take = batcher._take
-
-    def watched_take(timeout):
-        if timeout > 0:  # a wait for company, not a look at what is queued
-            in_window.set()
-        return take(timeout)
-
-    batcher._take = watched_take
+    in_window = watch_waits(batcher)
     with ThreadPoolExecutor(2) as rpc:
         fa = rpc.submit(lambda: batcher.verify([one[a]]).result(30))
         assert in_window.wait(10), "s0 should wait in its window for s1"
@@ -488,15 +487,7 @@ def test_a_shutdown_ends_the_wait_for_company(make):
     first = [batcher.verify([one[a]]), batcher.verify([one[b]])]
     batcher.start()
     assert [f.result(30).batch_sequences for f in first] == [2, 2]
-    in_window = threading.Event()
-    take = batcher._take
-
-    def watched_take(timeout):
-        if timeout > 0:
-            in_window.set()
-        return take(timeout)
-
-    batcher._take = watched_take
+    in_window = watch_waits(batcher)
     with ThreadPoolExecutor(1) as rpc:
         alone = rpc.submit(lambda: batcher.verify([one[a]]).result(30))
         assert in_window.wait(10), "s0 should wait in its window for s1"

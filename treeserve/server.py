@@ -257,7 +257,10 @@ class Server:
         in flight get `grace` seconds (None: this server's `grace_s`) before they are cancelled."""
         self.stopping.set()
         for callback in self._on_stopping:
-            callback()
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - the shutdown goes on
+                log.exception("a shutdown callback failed")
         self._health.enter_graceful_shutdown()
         self._server.stop(self.grace_s if grace is None else grace).wait()
         self._stopped.set()

@@ -1109,3 +1109,19 @@ def test_a_peer_that_floods_a_connection_it_does_not_let_answer_is_closed(direct
             pass  # closed while we were still sending: what the test wants
         data = read_to_eof(sock, limit=WAIT_S)
     assert ENHANCE_YOUR_CALM_CODE in goaway_codes(data)
+
+
+def test_a_session_whose_idle_connection_the_server_closed_connects_again(start_direct, open_session):
+    """A session connected (or whose stream ended) and then unused for longer than the server's
+    idle_s: the server has closed that connection, and the next send opens a new one instead of
+    failing UNAVAILABLE (an engine would have taken its verifier for down)."""
+    direct = start_direct(idle_s=0.3)
+    session = open_session(direct.port).connect()
+    time.sleep(0.8)
+    assert session.send(b"a", timeout=WAIT_S) == b"echo:a"
+    session.close()
+    session = open_session(direct.port)
+    assert session.send(b"b", timeout=WAIT_S) == b"echo:b"
+    session._end(reset=True)  # the stream ends; the connection stays, with no call open
+    time.sleep(0.8)
+    assert session.send(b"c", timeout=WAIT_S) == b"echo:c"

@@ -77,6 +77,27 @@ class _Connection:
             self.close()
             raise StreamError(grpc.StatusCode.UNAVAILABLE, f"{address} does not answer as gRPC: {exc}") from exc
 
+    def still_open(self) -> bool:
+        """Before a new stream on a connection that may have sat without one: take the frames the
+        server sent meanwhile (a SETTINGS ack, a PING, the end of an old stream). False when it has
+        gone away: a GOAWAY (a server closes connections idle for long) or the socket closed."""
+        sock = self.peer.sock
+        try:
+            while self.peer.reader.buffered or select.select([sock], [], [], 0)[0]:
+                sock.settimeout(self.connect_timeout)  # the frame has begun to come: its rest follows
+                ftype, flags, sid, payload, flow = self.peer.reader.read()
+                if self.peer.control(ftype, flags, sid, payload):  # raises ConnectionClosed on a GOAWAY
+                    continue
+                if ftype == f.HEADERS:  # an old stream's: decoded all the same, for HPACK's table
+                    self.peer.header_block(sid, flags, payload)
+                elif ftype == f.DATA:
+                    self.peer.received(sid, flow, stream_open=False)
+            sock.settimeout(None)
+        except (f.ConnectionClosed, f.ProtocolError, hpack.HPACKError, OSError):
+            self.close()
+            return False
+        return True
+
     def open_stream(self, path: str, auth: str | None) -> int:
         """A new stream of `path` (its HEADERS queued, not yet flushed): its id."""
         sid = self.next_sid
@@ -226,7 +247,7 @@ class DirectStreamSession:
             raise failure from exc
 
     def _open(self) -> None:
-        if self._conn is None or self._conn.broken:
+        if self._conn is None or self._conn.broken or not self._conn.still_open():
             self._conn = _Connection(self.address)
         self._sid = self._conn.open_stream(self.path, self._auth)
         self._messages = f.MessageBuffer(MAX_MESSAGE_BYTES)

@@ -171,6 +171,7 @@ class DirectServer:
         return self
 
     def _accept(self) -> None:
+        warned = -math.inf
         while not self.stopping.is_set():
             try:
                 sock, _ = self._listener.accept()
@@ -179,7 +180,9 @@ class DirectServer:
                     return  # the listener was closed: stopping
                 # out of file descriptors, or a connection that failed while queued: the port
                 # must go on accepting once that passes
-                log.warning("h2grpc: accept failed (%s); accepting again shortly", exc)
+                if time.monotonic() - warned > 10.0:  # once in a while, not 20 times a second
+                    log.warning("h2grpc: accept failed (%s); accepting again shortly", exc)
+                    warned = time.monotonic()
                 time.sleep(ACCEPT_RETRY_S)
                 continue
             conn = _Connection(self, sock)
@@ -318,7 +321,7 @@ class _Connection:
         """The next frame; with no call open, waiting at most the server's `idle_s` for it (then
         GOAWAY NO_ERROR, and the connection ends)."""
         peer = self.peer
-        if self.streams or peer.reader.buffered:
+        if self.streams:  # (bytes already buffered do not lift the bound: a partial frame waits on it)
             return peer.reader.read()
         peer.reader.deadline = time.monotonic() + self.server.idle_s
         try:

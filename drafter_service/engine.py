@@ -256,7 +256,7 @@ class Drafter:
             self._starting.discard(seq.id)
             if seq.id in self._ended_while_starting:  # an EndSequence came during the start: it ends now
                 self._ended_while_starting.discard(seq.id)
-                displaced, seq = seq, None
+                displaced = seq
             else:
                 displaced = self._seqs.pop(seq.id, None)
                 self._seqs[seq.id] = seq

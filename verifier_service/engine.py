@@ -234,8 +234,10 @@ class Engine:
             self.lm.commit([(seq.verified.pending, path) for seq, path in pairs])
         except Exception as exc:  # noqa: BLE001 - isolated below
             midway = not isinstance(exc, (StaleHandle, ValueError))  # those come before any change
-            if midway or len(pairs) == 1:
-                return {seq.id: self._commit_failed(seq, exc, lost=midway) for seq, _ in pairs}
+            if midway:
+                return {seq.id: self._commit_lost(seq, exc) for seq, _ in pairs}
+            if len(pairs) == 1:
+                return {pairs[0][0].id: self._commit_failed(pairs[0][0], exc)}
         else:
             for seq, path in pairs:
                 applied(seq, path)
@@ -253,14 +255,17 @@ class Engine:
                 applied(seq, path)
         return failed
 
-    def _commit_failed(self, seq: Sequence, exc: BaseException, lost: bool = False) -> BaseException:
+    def _commit_failed(self, seq: Sequence, exc: BaseException) -> BaseException:
         log.warning("commit of sequence %r failed: %s", seq.id, exc)
         seq.verified = None  # whatever was pending is unusable now
-        if lost:
-            self.release(seq.id)
-            return FailedPrecondition(f"sequence {seq.id!r} lost its state in a commit that failed ({exc}); "
-                                      "prefill it again")
         return runtime_error(exc)
+
+    def _commit_lost(self, seq: Sequence, exc: BaseException) -> BaseException:
+        """A commit that failed after the state moved: the sequence's state is unknown, so it goes."""
+        log.warning("commit of sequence %r failed midway: %s; releasing it", seq.id, exc)
+        self.release(seq.id)
+        return FailedPrecondition(f"sequence {seq.id!r} lost its state in a commit that failed ({exc}); "
+                                  "prefill it again")
 
     def _forward(self, ready: list[tuple[int, Sequence]], works: list[VerifyWork], outputs: list[ItemOutput]) -> None:
         """One `lm.verify` over every ready tree; per-item retries only if the batch fails."""

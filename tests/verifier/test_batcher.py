@@ -457,16 +457,23 @@ def test_a_request_split_over_forwards_does_not_wait_for_itself(make, limits, tr
     assert not waits.is_set()
 
 
-def test_an_endless_window_waits_without_overflow_until_its_company_comes(make):
-    """Limits built without validation (an infinite window): the window's wait is capped at what a
-    lock wait takes (threading.TIMEOUT_MAX), where it once raised OverflowError on the thread
-    holding the model. s0 comes back alone, waits for s1, and they share the forward."""
+def two_in_one_forward(make):
+    """A started batcher with an endless window whose first forward took s0 and s1, each from a
+    request of its own: -> (batcher, (s0, s1), {sid: its one-node VerifyWork})."""
     engine, batcher = make(batch_window_ms=math.inf)
     (a, La, ra), (b, Lb, rb) = _prefill(engine, 2)
     one = {a: VerifyWork(a, La, TokenTree.single(ra)), b: VerifyWork(b, Lb, TokenTree.single(rb))}
     first = [batcher.verify([one[a]]), batcher.verify([one[b]])]  # separate requests, one forward
     batcher.start()
     assert [f.result(30).batch_sequences for f in first] == [2, 2]
+    return batcher, (a, b), one
+
+
+def test_an_endless_window_waits_without_overflow_until_its_company_comes(make):
+    """Limits built without validation (an infinite window): the window's wait is capped at what a
+    lock wait takes (threading.TIMEOUT_MAX), where it once raised OverflowError on the thread
+    holding the model. s0 comes back alone, waits for s1, and they share the forward."""
+    batcher, (a, b), one = two_in_one_forward(make)
     in_window = watch_waits(batcher)
     with ThreadPoolExecutor(2) as rpc:
         fa = rpc.submit(lambda: batcher.verify([one[a]]).result(30))
@@ -481,12 +488,7 @@ def test_a_shutdown_ends_the_wait_for_company(make):
     """s0 comes back alone and waits (an endless window) for s1, which the previous forward had
     from another request; a shutdown begins (`hurry`, what the server calls as it stops): s0's
     forward goes at once, within the calls' grace, and no later forward waits."""
-    engine, batcher = make(batch_window_ms=math.inf)
-    (a, La, ra), (b, Lb, rb) = _prefill(engine, 2)
-    one = {a: VerifyWork(a, La, TokenTree.single(ra)), b: VerifyWork(b, Lb, TokenTree.single(rb))}
-    first = [batcher.verify([one[a]]), batcher.verify([one[b]])]
-    batcher.start()
-    assert [f.result(30).batch_sequences for f in first] == [2, 2]
+    batcher, (a, b), one = two_in_one_forward(make)
     in_window = watch_waits(batcher)
     with ThreadPoolExecutor(1) as rpc:
         alone = rpc.submit(lambda: batcher.verify([one[a]]).result(30))

@@ -151,6 +151,22 @@ def wait_services(children: list[Child], timeout: float = 900.0) -> None:
         raise
 
 
+def prepare_beside(orch: Orchestrator, children: list[Child]) -> None:
+    """`orch.prepare()` (Ray starts) while the children load their models. When both go wrong (a
+    slow machine's Ray timing out beside a checkpoint that does not load), the child's own failure
+    is the one to tell: it is the cause a user can fix."""
+    try:
+        orch.prepare()
+    except Exception as exc:
+        for child in children:
+            if not child.alive():
+                try:
+                    child.wait(0.0)
+                except (RuntimeError, TimeoutError) as exited:
+                    raise exited from exc
+        raise
+
+
 def launch(plan: Plan, config: OrchestratorConfig, log_dir: Optional[str] = None,
            attempts: int = 3) -> tuple[list[Child], Orchestrator]:
     """Children and orchestrator; Ray starts while the models load. A child whose port was taken
@@ -162,7 +178,7 @@ def launch(plan: Plan, config: OrchestratorConfig, log_dir: Optional[str] = None
         config.verifiers, config.drafter = verifiers, drafter
         orch = Orchestrator(config)
         try:
-            orch.prepare()
+            prepare_beside(orch, children)
             wait_services(children)
             orch.start()
             return children, orch

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from typing import Optional
+
+GCS_PORT_WAIT = "RAY_gcs_server_port_wait_time_s"
+GCS_PORT_WAIT_S = 120
 
 
 def init_ray(address: Optional[str], namespace: str, quiet: bool = False) -> None:
@@ -20,6 +24,9 @@ def init_ray(address: Optional[str], namespace: str, quiet: bool = False) -> Non
         _wait_for_head(address)
     with grpc_env.hidden_from_ray():  # Ray's own gRPC core would log our setting's names as unknown
         if address is None:
+            # Ray gives its GCS 30 s to publish its port; a small machine loading models beside it
+            # can need more (seen on 2 busy cores). An operator's own setting wins.
+            os.environ.setdefault(GCS_PORT_WAIT, str(GCS_PORT_WAIT_S))
             ray.init(address="local", include_dashboard=False, num_cpus=1, _node_ip_address="127.0.0.1",
                      namespace=namespace, object_store_memory=96 * 1024 * 1024, **extra)
         else:

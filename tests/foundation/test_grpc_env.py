@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from orchestrator.cluster import GCS_PORT_WAIT, GCS_PORT_WAIT_S
 from treeserve import grpc_env
 
 known_release = pytest.mark.skipif(not grpc_env.applies_to(grpc_env.grpcio_version()),
@@ -33,7 +34,7 @@ def test_a_chosen_value_is_kept(own):
 
 
 def _child(code: str, **env) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if k != grpc_env.EXPERIMENTS}
+    base = {k: v for k, v in os.environ.items() if k not in (grpc_env.EXPERIMENTS, GCS_PORT_WAIT)}
     return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
                           timeout=120, check=True)
 
@@ -100,10 +101,12 @@ def test_ray_starts_without_unknown_experiment_errors():
         "def worker():\n"
         "    import os, treeserve, grpc\n"
         "    return os.environ.get('GRPC_EXPERIMENTS')\n"
-        "print(repr(os.environ.get('GRPC_EXPERIMENTS')), repr(ray.get(worker.remote())))\n"
+        "print(repr(os.environ.get('GRPC_EXPERIMENTS')), repr(ray.get(worker.remote())),\n"
+        "      os.environ.get('RAY_gcs_server_port_wait_time_s'))\n"
         "ray.shutdown()\n"
     )
     done = _child(code, RAY_AUTH_MODE="disabled")
     assert "Unknown experiment" not in done.stderr + done.stdout
     ours = repr(grpc_env.POLLER_NOT_EVENT_ENGINE)
-    assert done.stdout.strip().splitlines()[-1] == f"{ours} {ours}"
+    # and Ray's GCS had longer than its own 30 s to come up (a small machine loading models beside it)
+    assert done.stdout.strip().splitlines()[-1] == f"{ours} {ours} {GCS_PORT_WAIT_S}"

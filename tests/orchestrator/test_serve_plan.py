@@ -72,6 +72,28 @@ def test_a_verifier_that_cannot_load_its_model_is_one_line(tmp_path):
     assert message.endswith(f"(logs in {tmp_path})")
 
 
+def test_a_child_that_exited_is_told_before_a_ray_that_timed_out_beside_it(tmp_path):
+    """On a busy machine Ray can time out while a verifier fails to load: the verifier's own
+    failure is the one a user can fix, so it is the one raised (Ray's is its cause)."""
+    from orchestrator.cli_serve import prepare_beside
+    from orchestrator.procs import Child
+
+    class RayTimingOut:
+        def prepare(self):
+            raise TimeoutError("Timed out waiting for file gcs_server_port")
+
+    exited = Child(["verifier", "--no-such-option"], "verifier-0", log_path=str(tmp_path / "verifier-0.log"))
+    try:
+        exited.proc.wait(60)
+        with pytest.raises(RuntimeError, match="verifier-0 exited with 2") as failed:
+            prepare_beside(RayTimingOut(), [exited])
+        assert isinstance(failed.value.__cause__, TimeoutError)
+        with pytest.raises(TimeoutError, match="gcs_server_port"):  # no child has exited: Ray's own
+            prepare_beside(RayTimingOut(), [])
+    finally:
+        exited.stop()
+
+
 def test_the_fronts_limits_are_options_of_serve_as_of_orchestrator():
     """`serve` takes the Generation front's limits as `orchestrator` does; a default above the
     largest allowed (every request naming none would be refused) is a clear exit."""

@@ -1020,17 +1020,18 @@ def test_session_upload_ended_by_trailers_alone():
         done.wait(WAIT_S)
 
 
-class _AcceptFailsOnce:
-    """A listening socket whose next accept fails as one does when the process has no file
+class _AcceptFails:
+    """A listening socket whose next `times` accepts fail as one does when the process has no file
     descriptor left (EMFILE); every other call goes to the real socket."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, times: int = 1):
         self._sock = sock
-        self.failed = False
+        self.times = times
+        self.failed = 0
 
     def accept(self):
-        if not self.failed:
-            self.failed = True
+        if self.failed < self.times:
+            self.failed += 1
             raise OSError(errno.EMFILE, "Too many open files")
         return self._sock.accept()
 
@@ -1041,11 +1042,52 @@ class _AcceptFailsOnce:
 def test_a_failed_accept_does_not_stop_the_port(direct, open_channel):
     """A port whose accept failed once (no descriptor left for a moment) goes on serving new
     connections; before, its acceptor thread ended and later clients hung."""
-    failing = direct._listener = _AcceptFailsOnce(direct._listener)
+    failing = direct._listener = _AcceptFails(direct._listener)
     for i in range(2):  # each on a new connection
         channel = open_channel(direct.port, (("grpc.use_local_subchannel_pool", 1),))
         assert unary(channel)(b"x%d" % i, timeout=WAIT_S) == b"unary:x%d" % i
-    assert failing.failed
+    assert failing.failed == 1
+
+
+def test_accepts_that_keep_failing_are_told_once_in_a_while(direct, open_channel, caplog):
+    """Ten failed accepts in a row (half a second at ACCEPT_RETRY_S) make one warning, not ten;
+    the port serves once they pass."""
+    failing = direct._listener = _AcceptFails(direct._listener, times=10)
+    for i in range(2):  # the first may be taken by the accept already waiting on the real socket
+        channel = open_channel(direct.port, (("grpc.use_local_subchannel_pool", 1),))
+        assert unary(channel)(b"x%d" % i, timeout=WAIT_S) == b"unary:x%d" % i
+    assert failing.failed == 10
+    assert caplog.text.count("accept failed") == 1
+
+
+def test_a_peer_that_takes_none_of_its_answers_is_closed(start_direct):
+    """A client that opens every window, asks and asks on a stream and reads nothing: the
+    server's write makes no progress for send_timeout_s and the connection is closed (before,
+    its thread waited in the write for ever, holding a connection slot)."""
+    direct = start_direct(send_timeout_s=0.5)
+    encoder = hpack.Encoder()
+    headers = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", STREAM),
+                              (":authority", "localhost"), ("content-type", "application/grpc"), ("te", "trailers")])
+    body = b"m" * 16000
+    message = raw_frame(0, 0, 1, b"\x00" + struct.pack(">I", len(body)) + body)
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        sock.settimeout(WAIT_S)
+        sock.connect(("127.0.0.1", direct.port))
+        window = frames.MAX_WINDOW
+        sock.sendall(CLIENT_PREFACE + raw_frame(4, 0, 0, struct.pack(">HI", 0x4, window))
+                     + raw_frame(8, 0, 0, struct.pack(">I", window - frames.DEFAULT_WINDOW))
+                     + raw_frame(1, 0x4, 1, headers))
+        sock.settimeout(1.0)
+        try:
+            for _ in range(2000):  # 32 MB of answers: more than the kernel's buffers hold
+                sock.sendall(message)
+        except OSError:
+            pass  # the server stopped reading (its write is stuck) or closed: either way, enough
+        deadline = time.monotonic() + WAIT_S
+        while direct.connections and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert direct.connections == 0
 
 
 def test_a_connection_with_no_call_that_stays_silent_is_closed(start_direct, open_channel):

@@ -224,3 +224,19 @@ def test_a_shutdown_tells_what_asked_before_the_grace_begins():
         assert told == [True] and stopper.is_alive()  # told while the call still has its grace
     stopper.join(10)
     thread.join(10)
+
+
+def test_a_shutdown_callback_that_raises_does_not_stop_the_shutdown(caplog):
+    with slow_server(grace_s=0.0, handler_s=0.0) as (server, _):
+        told = []
+
+        def broken():
+            raise RuntimeError("broken callback")
+
+        server.on_stopping(broken)
+        server.on_stopping(lambda: told.append("after"))
+        stopper = threading.Thread(target=server.stop)
+        stopper.start()
+        stopper.join(30)
+        assert not stopper.is_alive()
+        assert told == ["after"] and "a shutdown callback failed" in caplog.text

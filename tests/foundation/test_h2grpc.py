@@ -1115,6 +1115,22 @@ def test_a_connection_with_no_call_that_stays_silent_is_closed(start_direct, ope
         requests.end()
 
 
+def test_connections_probe_a_quiet_peer_with_tcp_keepalive(direct):
+    """A peer whose host vanished sends no FIN; keepalive probes are what find it (2 min)."""
+    from treeserve.h2grpc.server import KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES
+
+    with socket.create_connection(("127.0.0.1", direct.port), timeout=WAIT_S) as sock:
+        sock.sendall(CLIENT_PREFACE + raw_frame(4, 0, 0, b""))
+        read_frames(sock, until=lambda ftype, flags, sid: ftype == 4 and not flags & 1)
+        [conn] = direct._connections
+        theirs = conn.peer.sock
+        assert theirs.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+        assert (theirs.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                theirs.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                theirs.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)) == \
+            (KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES)
+
+
 def test_the_server_says_how_many_calls_it_serves_at_once():
     """SETTINGS_MAX_CONCURRENT_STREAMS is announced, so a grpcio channel queues its calls past it
     instead of having them refused."""

@@ -52,6 +52,10 @@ POLL_SECONDS = 0.0005
 # peers would hold every connection slot, and their threads, for ever
 IDLE_SECONDS = 300.0
 SEND_TIMEOUT_S = 60.0
+# A peer whose host vanished (power, a network gone) sends no FIN: TCP keepalive probes find it
+# after KEEPALIVE_IDLE_S of quiet and KEEPALIVE_PROBES unanswered probes KEEPALIVE_INTERVAL_S
+# apart (2 min), and the connection's read fails; before, a call it had open waited for ever
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 60, 10, 6
 
 
 
@@ -229,6 +233,15 @@ class DirectServer:
             conn.peer.close()
 
 
+def _keep_alive(sock: socket.socket) -> None:
+    """TCP keepalive on `sock` with this port's bounds (KEEPALIVE_*; where the system has them)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                        ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
 class _Connection:
     def __init__(self, server: DirectServer, sock: socket.socket):
         self.server = server
@@ -237,6 +250,7 @@ class _Connection:
         seconds = int(server.send_timeout_s)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                         struct.pack("ll", seconds, int((server.send_timeout_s - seconds) * 1e6)))
+        _keep_alive(sock)
         self.peer = Peer(sock, poll_s=server.poll_s)
         self.streams: dict[int, _Stream] = {}
         self.last_sid = 0

@@ -249,6 +249,9 @@ class Worker:
 
     def submit(self, rnd: Round) -> None:
         with self._cv:
+            # rounds with nothing left to do (claimed by their next draft) go here too, not only
+            # when the worker next looks: it can wait at the gate for as long as requests keep coming
+            self._rounds = collections.deque(r for r in self._rounds if r.has_work())
             self._rounds.append(rnd)
             self._cv.notify_all()
 

@@ -1,6 +1,7 @@
 """Draft-ahead: a hit serves exactly the tree fresh drafting would have produced, and the draft
 state stays exact through hits and misses."""
 import random
+import time
 
 import pytest
 import torch
@@ -148,5 +149,28 @@ def test_ahead_work_waits_for_a_graph_capture(draft_model, prompt):
             assert not d._seqs["c"].round.finalised
         assert d.wait_idle(60)
         assert d._seqs["c"].round.finalised
+    finally:
+        d.close()
+
+
+def test_rounds_claimed_while_the_worker_waits_at_the_gate_do_not_pile_up(draft_model, prompt):
+    """Requests that keep coming hold the worker at the gate; every draft claims its sequence's
+    last round and submits a new one. The claimed ones leave the worker's queue then, not when the
+    worker next looks (before, they piled up for as long as the requests kept coming)."""
+    d = Drafter(draft_model, Options("dynamic", 8, 3, True))
+    try:
+        d.start("g", prompt)
+        call = DraftCall("g", len(prompt), (), 5)
+        with draft_model.gate.foreground():
+            for step in range(6):
+                tree = d.draft(call).tree
+                appended = tuple(tree.tokens_along([0]))
+                call = DraftCall("g", call.committed_length + 1, appended, 7, Outcome((0,), 7))
+                if step == 0:  # the worker has taken the first round and waits at the gate with it
+                    deadline = time.monotonic() + 30
+                    while not d.worker._busy and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    assert d.worker._busy
+            assert len(d.worker._rounds) == 1
     finally:
         d.close()

@@ -182,7 +182,9 @@ class InprocPath:
 class GrpcPath:
     """`orchestrator.engine.Engine` (its own thread, as in serving) on verifier/drafter addresses."""
 
-    def __init__(self, verifier: str, drafter: Optional[str], draft_timeout_s: float = 5.0):
+    # a bound far above any healthy draft (a fresh CPU drafter's first trees on a busy machine
+    # included): a benchmark wants every step's tree, not a lagging link's one-node trees
+    def __init__(self, verifier: str, drafter: Optional[str], draft_timeout_s: float = 30.0):
         from orchestrator.engine import Engine, EngineConfig
 
         self.engine = Engine(EngineConfig(verifier=verifier, drafter=drafter, name="bench",

@@ -28,7 +28,7 @@ def running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def wait_until(predicate, timeout: float = 3.0) -> bool:
+def wait_until(predicate, timeout: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -78,7 +78,7 @@ def test_spinners_die_with_an_owner_killed_by_sigkill():
         owner.send_signal(signal.SIGKILL)
         owner.wait()
         owner.stdout.close()
-    assert wait_until(lambda: not any(running(p) for p in pids), timeout=3.0), \
+    assert wait_until(lambda: not any(running(p) for p in pids)), \
         [(p, cmdline(p)) for p in pids if running(p)]
 
 

@@ -37,14 +37,14 @@ class Served:
             if line.startswith("drafter listening on "):
                 self.address = line.split()[-1]
 
-    def wait_serving(self, timeout: float = 120.0) -> str:
+    def wait_serving(self, timeout: float = 300.0) -> str:
         deadline = time.monotonic() + timeout
         while self.address is None:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("drafter did not start:\n" + "".join(self.lines))
             time.sleep(0.1)
         stub = health_pb2_grpc.HealthStub(channel(self.address))
-        status = stub.Check(health_pb2.HealthCheckRequest(service="treeserve.v1.Drafter"), timeout=10).status
+        status = stub.Check(health_pb2.HealthCheckRequest(service="treeserve.v1.Drafter"), timeout=60).status
         assert status == health_pb2.HealthCheckResponse.SERVING
         return self.address
 

@@ -345,7 +345,7 @@ def test_client_deadline_then_server_still_serves(direct, open_channel, release)
         unary(channel, SLOW)(b"late", timeout=0.2)
     elapsed = time.monotonic() - start
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert elapsed < 2.0  # the client did not wait for the handler (it waits up to WAIT_S)
+    assert elapsed < WAIT_S / 2  # the client did not wait for the handler (it waits up to WAIT_S)
     release.set()  # the handler ends now; its late answer goes to a cancelled stream
     assert unary(channel)(b"after", timeout=WAIT_S) == b"unary:after"
     assert unary(open_channel(direct.port))(b"new", timeout=WAIT_S) == b"unary:new"
@@ -353,13 +353,14 @@ def test_client_deadline_then_server_still_serves(direct, open_channel, release)
 
 def test_time_remaining_follows_the_client_deadline(direct, open_channel, remaining):
     channel = open_channel(direct.port)
+    unary(channel)(b"warm", timeout=WAIT_S)  # connected: the deadline below covers the call alone
     timeout = 5.0
     assert unary(channel, REMAINING)(b"", timeout=timeout) == b"ok"
     assert unary(channel, REMAINING)(b"") == b"ok"  # no deadline: grpcio sends no grpc-timeout
     with_deadline, without = remaining
     # grpcio rounds the grpc-timeout it sends up to a coarse value, from a clock it caches: for a
     # 5 s timeout it sends "5S" or, often enough, "5010m"; the server can only go by what it gets
-    assert timeout - 1.0 < with_deadline <= timeout + 0.05
+    assert timeout - 2.5 < with_deadline <= timeout + 0.05
     assert without == math.inf
 
 
@@ -459,7 +460,7 @@ def test_session_unimplemented_and_auth(start_direct, open_session):
 
 def test_session_timeout_then_own_answer(direct, open_session, release):
     session = open_session(direct.port, timeout=0.2)
-    assert session.send(b"first") == b"echo:first"
+    assert session.send(b"first", timeout=WAIT_S) == b"echo:first"  # the connection is made meanwhile
     with pytest.raises(grpc.RpcError) as info:
         session.send(b"slow one")
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -523,7 +524,7 @@ def test_stream_read_without_waiting_takes_only_what_has_come(direct, release, s
         while got is None and time.monotonic() < deadline:  # read(0) never waits for the answer
             t0 = time.monotonic()
             got = s.read(0)
-            assert time.monotonic() - t0 < 0.5
+            assert time.monotonic() - t0 < 2.0
         assert got == b"echo:a"
         s.write(b"slow b")
         assert started.wait(WAIT_S)
@@ -575,7 +576,7 @@ def test_stream_abort_from_another_thread_wakes_a_read(direct, started):
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as info:
         s.read(WAIT_S)
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 2.0
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < WAIT_S / 2
     assert not s.open
 
 
@@ -684,7 +685,7 @@ def raw_frame(ftype: int, flags: int, stream_id: int, body: bytes, length: int |
     return struct.pack(">I", n)[1:] + bytes((ftype, flags)) + struct.pack(">I", stream_id) + body
 
 
-def read_to_eof(sock: socket.socket, limit: float = 3.0) -> bytes:
+def read_to_eof(sock: socket.socket, limit: float = WAIT_S) -> bytes:
     """All the server sends until it closes the connection; fails if it does not within `limit`."""
     end = time.monotonic() + limit
     data = bytearray()
@@ -817,7 +818,7 @@ def test_window_opened_by_settings(direct):
     assert body == b"\x00" + struct.pack(">I", len(b"unary:hi")) + b"unary:hi"
 
 
-def read_frames(sock: socket.socket, until, limit: float = 3.0) -> list[tuple[int, int, int, bytes]]:
+def read_frames(sock: socket.socket, until, limit: float = WAIT_S) -> list[tuple[int, int, int, bytes]]:
     """(type, flags, stream, payload) of the frames the server sends, up to the first for which
     until(type, flags, stream) holds; fails if it does not come within `limit` seconds."""
     end = time.monotonic() + limit
@@ -888,11 +889,11 @@ def test_stop_with_idle_grpcio_stream(direct, open_channel):
     try:
         requests.put(b"a")
         assert next(responses) == b"echo:a"
-        grace = 3.0
+        grace = 6.0
         start = time.monotonic()
         direct.stop(grace)
-        # within grace + 1 s, and in fact at once: no call is running, so there is nothing to wait for
-        assert time.monotonic() - start < 1.0
+        # well within grace, and in fact at once: no call is running, so there is nothing to wait for
+        assert time.monotonic() - start < grace / 2
         with pytest.raises(grpc.RpcError) as info:
             next(responses)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -903,10 +904,10 @@ def test_stop_with_idle_grpcio_stream(direct, open_channel):
 def test_stop_with_idle_session(direct, open_session):
     session = open_session(direct.port, timeout=WAIT_S)
     assert session.send(b"a") == b"echo:a"
-    grace = 3.0
+    grace = 6.0
     start = time.monotonic()
     direct.stop(grace)
-    assert time.monotonic() - start < 1.0  # idle: nothing to wait for
+    assert time.monotonic() - start < grace / 2  # idle: nothing to wait for
     with pytest.raises(grpc.RpcError) as info:
         session.send(b"b")
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -924,7 +925,7 @@ def test_stop_lets_the_running_call_finish(direct, open_channel, started, releas
     assert call.result(timeout=WAIT_S) == b"slow:x"
     stopper.join(WAIT_S)
     assert not stopper.is_alive()
-    assert time.monotonic() - start < 2.0  # stop returned when the call was done, not after grace
+    assert time.monotonic() - start < WAIT_S / 2  # stop returned when the call was done, not after grace
     with pytest.raises(grpc.RpcError) as info:  # and nothing is accepted any more
         unary(open_channel(direct.port))(b"y", timeout=WAIT_S)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -934,11 +935,11 @@ def test_stop_gives_up_after_grace(direct, open_channel, started):
     channel = open_channel(direct.port)
     call = unary(channel, SLOW).future(b"x", timeout=WAIT_S)
     assert started.wait(WAIT_S)
-    grace = 0.5
+    grace = 1.0
     start = time.monotonic()
     direct.stop(grace)  # the handler never returns (until teardown)
     elapsed = time.monotonic() - start
-    assert grace * 0.9 <= elapsed < grace + 1.0
+    assert grace * 0.9 <= elapsed < grace + 3.0
     with pytest.raises(grpc.RpcError) as info:
         call.result(timeout=WAIT_S)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -985,7 +986,7 @@ def test_session_send_times_out_when_the_window_stays_shut():
         with pytest.raises(grpc.RpcError) as info:
             session.send(b"x" * 100)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert time.monotonic() - t0 < 0.5 + 1.0
+        assert time.monotonic() - t0 < 0.5 + 3.0
         assert not session.open
     finally:
         hold.set()
@@ -1174,12 +1175,20 @@ def test_a_session_whose_idle_connection_the_server_closed_connects_again(start_
     idle_s: the server has closed that connection, and the next send opens a new one instead of
     failing UNAVAILABLE (an engine would have taken its verifier for down)."""
     direct = start_direct(idle_s=0.3)
+
+    def closed_for_idleness():
+        deadline = time.monotonic() + WAIT_S
+        while direct.connections and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert direct.connections == 0
+
     session = open_session(direct.port).connect()
-    time.sleep(0.8)
+    closed_for_idleness()
     assert session.send(b"a", timeout=WAIT_S) == b"echo:a"
     session.close()
+    closed_for_idleness()
     session = open_session(direct.port)
     assert session.send(b"b", timeout=WAIT_S) == b"echo:b"
     session._end(reset=True)  # the stream ends; the connection stays, with no call open
-    time.sleep(0.8)
+    closed_for_idleness()
     assert session.send(b"c", timeout=WAIT_S) == b"echo:c"

@@ -82,7 +82,7 @@ def test_a_call_that_outlasts_the_grace_period_is_cut_off():
         caller.join(30)
         # the server cancels the call and closes the connection; which the client sees first varies
         assert out.get("code") in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE), out
-        assert stopped_after < 3.0  # the 0.2 s asked for, not the default 5 s (nor the handler's 30)
+        assert stopped_after < 4.5  # the 0.2 s asked for, not the default 5 s (nor the handler's 30)
 
 
 def test_a_negative_grace_period_is_refused():

@@ -40,8 +40,10 @@ def drafter(model_dir=None, port: int = 0, prefix: Sequence[str] = (), host: str
 def orchestrator(verifiers: Sequence[str], drafter_address: Optional[str], tokenizer=None, *extra,
                  prefix: Sequence[str] = ()) -> Child:
     # DEBUG: the log (a temp file named in failures) then shows every step's trees and answers
-    args = ["--log-level", "DEBUG", "orchestrator", "--port", "0", "--draft-timeout-ms", "5000",
-            "--replica-timeout-s", "120"]
+    # bounds far above any healthy wait: a slow draft on a busy machine must not make the link
+    # lag (steps would then verify without trees), nor a restart outlast its replica's timeout
+    args = ["--log-level", "DEBUG", "orchestrator", "--port", "0", "--draft-timeout-ms", "60000",
+            "--replica-timeout-s", str(int(STARTUP_S))]
     for v in verifiers:
         args += ["--verifier", v]
     if drafter_address:

@@ -2,6 +2,7 @@
 queue) and sent once the link is back, unless the id was opened again meanwhile; a drafter that
 refuses the stream is not reconnected to in a tight loop."""
 import contextlib
+import threading
 import time
 
 import pytest
@@ -92,6 +93,7 @@ def test_a_drafter_that_refuses_the_stream_is_retried_with_a_growing_delay(draft
 
 # ---- the stream on the drafter's direct port ------------------------------------------------------
 REPEAT = [7, 8, 9] * 6  # n-gram drafting continues a repeating text
+WAIT_S = 30.0  # an upper bound for waits that should end at once
 
 
 class SlowDrafts:
@@ -162,10 +164,13 @@ def test_a_late_answer_over_the_direct_port_is_dropped_and_drafting_resumes(draf
     log["s"].append(7)
     assert link.request("s", len(log["s"]) - 1, 7, 8, None) is False  # one request in flight at a time
     slow.delay = 0.0
-    time.sleep(0.4)  # the late answer has come; the next request reads it first and drops it
     log["s"].append(8)
-    asked, tree = draft_step(link, log)
-    assert asked and tree is not None and tree.tokens[0] == 8
+    n = len(log["s"])
+    # the late answer comes 0.3 s on: until it has, a request is refused (one in flight); the
+    # first one made after it reads it first and drops it
+    wait_until(lambda: link.request("s", n - 1, 8, 8, None), 10, "the late answer")
+    got = link.take({"s": n - 1}, 5.0)
+    assert "s" in got and got["s"][0].tokens[0] == 8
     assert not link.lagging and link.stats.trees == 2  # the late tree was taken in, not used
 
 
@@ -175,7 +180,7 @@ def test_a_sequence_the_drafter_lost_is_restarted_over_the_direct_port(drafter, 
     resyncs = link.stats.resyncs
     drafter.end("s")  # the drafter forgets it (an idle sweep would): its next answer is an error
     log["s"].append(7)
-    asked, tree = draft_step(link, log, timeout=0.5)
+    asked, tree = draft_step(link, log, timeout=5.0)
     assert asked and tree is None
     wait_until(lambda: length_of(drafter, "s") == len(log["s"]) - 1, what="the sequence started again")
     wait_until(lambda: link._seqs["s"].state == "ready", what="the link in sync")
@@ -190,7 +195,7 @@ def test_a_drafter_back_on_a_new_direct_port_is_found_again(drafter, direct):
     address, old_direct = f"127.0.0.1:{server.port}", server.direct_port
     server.stop(grace=0)
     log["s"].append(7)
-    draft_step(link, log, timeout=0.5)  # the write or the read finds the connection gone
+    draft_step(link, log, timeout=5.0)  # the write or the read finds the connection gone
     wait_until(lambda: not link.up, what="the link down")
     server = serve(drafter, address, direct_address="127.0.0.1:0")
     try:
@@ -261,7 +266,7 @@ def test_a_link_given_up_by_another_thread_wakes_a_take_at_once(drafter, direct)
     threading.Thread(target=give_up, daemon=True).start()
     t0 = time.monotonic()
     assert link.take({"s": n - 1}, 5.0) == {}
-    assert time.monotonic() - t0 < 1.5
+    assert time.monotonic() - t0 < 2.5  # woken at 0.2 s, not at the drafter's 3 s
     slow.delay = 0.0
 
 
@@ -271,10 +276,10 @@ def test_a_request_made_after_a_slow_restart_supersedes_the_one_wanted_during_it
     server, link, log = direct
     assert draft_step(link, log)[1] is not None
     start = drafter.start
-    started = []
+    started, go = [], threading.Event()
 
     def slow_start(*args, **kwargs):
-        time.sleep(0.3)
+        go.wait(WAIT_S)  # until the request below is in
         out = start(*args, **kwargs)
         started.append(1)
         return out
@@ -285,6 +290,7 @@ def test_a_request_made_after_a_slow_restart_supersedes_the_one_wanted_during_it
     wait_until(lambda: link._seqs["s"].state == "syncing", what="restarting")
     log["s"].append(7)
     assert link.request("s", len(log["s"]) - 1, 7, 8, None)  # wanted once the start is done
+    go.set()
     wait_until(lambda: started and link.stats.resyncs == resyncs + 1, what="the restart done")
     log["s"].append(8)
     asked, tree = draft_step(link, log)
@@ -301,7 +307,7 @@ def test_a_direct_port_that_refuses_the_stream_is_left_for_grpcs(drafter):
     try:
         with ngram_link(server) as (link, log):
             assert link.speculate_address == f"127.0.0.1:{server.direct_port}"
-            assert draft_step(link, log, timeout=1.0)[1] is None  # refused (as soon as it opened, or now)
+            assert draft_step(link, log, timeout=5.0)[1] is None  # refused (as soon as it opened, or now)
             wait_until(lambda: link.up and link._seqs["s"].state == "ready", what="the link back")
             assert link.speculate_address == f"127.0.0.1:{server.port}"
             log["s"].append(REPEAT[len(log["s"]) % 3])

@@ -206,7 +206,7 @@ def test_drafter_killed_mid_generation(services, client, reference, prompt):
         assert res.token_ids == want
         return max(nodes for nodes, _, _ in res.steps) > 1
 
-    stack.wait_until(drafted_again, 60, "trees from the restarted drafter")
+    stack.wait_until(drafted_again, 120, "trees from the restarted drafter")
     stats = stack.drafter_stats(services.drafter)
     assert stats.trees > 0 and stats.direct_port == services.drafter_direct_port
     # the engine's link came back on the restarted drafter's direct port

@@ -47,6 +47,18 @@ class StandInRouter:
         if self.inboxes.get(inbox.request_id) is inbox:
             del self.inboxes[inbox.request_id]
 
+    def deliver_when_submitted(self, request_id: str, *events: Event) -> None:
+        """From another thread, as an engine would: `events` into the request's inbox once the
+        stream has submitted it (a servicer's generator runs only when first iterated)."""
+        def deliver():
+            deadline = time.monotonic() + 30
+            while request_id not in self.inboxes and time.monotonic() < deadline:
+                time.sleep(0.01)
+            for event in events:
+                self.inboxes[request_id].deliver(event)
+
+        threading.Thread(target=deliver, daemon=True).start()
+
 
 class Context:
     """A servicer context: `ended` is an RPC that was over before the handler registered its
@@ -92,7 +104,7 @@ def test_a_stream_closed_mid_way_is_cancelled_once():
     router = StandInRouter()
     context = Context()
     stream = generate(GenerationServicer(router, poll_s=0.05), "mid", context)
-    threading.Timer(0.1, lambda: router.inboxes["mid"].deliver(Event("mid", 0, tokens=(7, 8)))).start()
+    router.deliver_when_submitted("mid", Event("mid", 0, tokens=(7, 8)))
     assert list(next(stream).token_ids) == [7, 8]
     stream.close()  # the generator is abandoned at a yield (GeneratorExit): its `finally` cancels
     context.rpc_ends()  # and gRPC's callback after it does not cancel again
@@ -104,13 +116,8 @@ def test_a_finished_request_is_not_cancelled():
     router = StandInRouter()
     context = Context()
     stream = generate(GenerationServicer(router, poll_s=0.05), "done", context)
-
-    def events():
-        inbox = router.inboxes["done"]
-        inbox.deliver(Event("done", 0, tokens=(7,), forwards=1))
-        inbox.deliver(Event("done", 1, tokens=(8,), forwards=2, finish=LENGTH))
-
-    threading.Timer(0.1, events).start()
+    router.deliver_when_submitted("done", Event("done", 0, tokens=(7,), forwards=1),
+                                  Event("done", 1, tokens=(8,), forwards=2, finish=LENGTH))
     msgs = list(stream)
     context.rpc_ends()
     assert [list(m.token_ids) for m in msgs] == [[7], [8]]
@@ -148,12 +155,8 @@ def test_stop_is_sent_once_the_engine_ended_the_request(tokenizer):
     router = StandInRouter(on_cancel=engine_ends)
     servicer = GenerationServicer(router, tokenizer, poll_s=0.05)
     stream = servicer.Generate(request("x", max_new_tokens=8, request_id="stops", stop=[stop]), Context())
-
-    def tokens():
-        router.inboxes["stops"].deliver(Event("stops", 0, tokens=ids[:2], forwards=1))
-        router.inboxes["stops"].deliver(Event("stops", 1, tokens=ids[2:], forwards=2))
-
-    threading.Timer(0.1, tokens).start()
+    router.deliver_when_submitted("stops", Event("stops", 0, tokens=ids[:2], forwards=1),
+                                  Event("stops", 1, tokens=ids[2:], forwards=2))
     msgs = []
     for msg in stream:
         if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
@@ -171,7 +174,7 @@ def test_stop_waits_for_the_engine_only_so_long(tokenizer, monkeypatch):
     router = StandInRouter()  # an engine that never answers the cancel
     stream = GenerationServicer(router, tokenizer, poll_s=0.05).Generate(
         request("x", max_new_tokens=8, request_id="silent", stop=[stop]), Context())
-    threading.Timer(0.1, lambda: router.inboxes["silent"].deliver(Event("silent", 0, tokens=ids, forwards=1))).start()
+    router.deliver_when_submitted("silent", Event("silent", 0, tokens=ids, forwards=1))
     t0 = time.monotonic()
     msgs = list(stream)
     assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP
@@ -198,11 +201,11 @@ def test_streams_beyond_the_cap_are_refused_and_cancel_still_answers(monkeypatch
         wait_until(lambda: len(router.inboxes) == 2, 15, "two live streams")
         for i in range(3):
             with pytest.raises(grpc.RpcError) as refused:
-                list(client.stream(request([1, 2, 3], max_new_tokens=8, request_id=f"more{i}"), timeout=5))
+                list(client.stream(request([1, 2, 3], max_new_tokens=8, request_id=f"more{i}"), timeout=30))
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
         t0 = time.monotonic()
-        assert client.stub.Cancel(pb.CancelRequest(request_id="s0"), timeout=5).cancelled
-        assert time.monotonic() - t0 < 2
+        assert client.stub.Cancel(pb.CancelRequest(request_id="s0"), timeout=30).cancelled
+        assert time.monotonic() - t0 < 4  # not after a stream's worker came free (minutes)
         # a stream that ends gives its place back
         streams[0].cancel()
         wait_until(lambda: len(router.inboxes) == 1, 15, "the cancelled stream to end")
@@ -282,8 +285,7 @@ def test_a_stop_string_found_only_when_the_text_is_flushed_is_a_stop():
     router = StandInRouter()
     context = Context()
     stream = generate(GenerationServicer(router, ByteTokenizer(), poll_s=0.05), "flush", context, stop=["\n\n"])
-    threading.Timer(0.1, lambda: router.inboxes["flush"].deliver(
-        Event("flush", 0, tokens=(1, 2, 3), forwards=1, finish=LENGTH))).start()
+    router.deliver_when_submitted("flush", Event("flush", 0, tokens=(1, 2, 3), forwards=1, finish=LENGTH))
     msgs = list(stream)
     assert "".join(m.text for m in msgs) == "a"
     assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP

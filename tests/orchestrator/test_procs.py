@@ -7,6 +7,7 @@ import os
 import pytest
 
 from orchestrator.procs import Child, free_port
+from tests.orchestrator.stack import STARTUP_S  # a child imports torch: slow on a busy machine
 
 
 def test_reused_log_file_is_not_mistaken_for_this_run(tmp_path):
@@ -17,7 +18,7 @@ def test_reused_log_file_is_not_mistaken_for_this_run(tmp_path):
     log.write_text(f"drafter listening on 127.0.0.1:{stale}\n")
     child = Child(["drafter", "--ngram", "--port", 0], "drafter", str(log))
     try:
-        address = child.wait(60)
+        address = child.wait(STARTUP_S)
     finally:
         child.stop()
     assert address != f"127.0.0.1:{stale}"
@@ -55,7 +56,7 @@ def test_a_child_whose_port_is_taken_says_so():
         child = Child(["drafter", "--ngram", "--port", port], "drafter")
         try:
             with pytest.raises(PortTaken, match="drafter exited") as info:
-                child.wait(60)
+                child.wait(STARTUP_S)
         finally:
             child.stop()
     # a failed child's temp log is kept, and the error names it
@@ -67,7 +68,7 @@ def test_a_child_whose_port_is_taken_says_so():
 def test_a_temp_log_goes_with_a_child_that_ran_and_was_stopped():
     child = Child(["drafter", "--ngram", "--port", 0], "drafter")
     try:
-        child.wait(60)
+        child.wait(STARTUP_S)
         assert os.path.exists(child.log_path)
     finally:
         child.stop()
@@ -117,7 +118,7 @@ def test_a_child_ends_when_its_parent_is_killed_outright(tmp_path):
     parent = subprocess.Popen(
         [sys.executable, "-c", "from orchestrator.procs import Child; import time\n"
          f"c = Child(['drafter', '--ngram', '--port', '0'], 'drafter', {str(tmp_path / 'd.log')!r})\n"
-         "c.wait(60); print(c.proc.pid, flush=True); time.sleep(120)"],
+         f"c.wait({STARTUP_S}); print(c.proc.pid, flush=True); time.sleep(600)"],
         stdout=subprocess.PIPE, text=True)
     try:
         child_pid = int(parent.stdout.readline())
@@ -152,7 +153,7 @@ def test_a_child_started_from_a_thread_outlives_that_thread(tmp_path):
     t.join()
     child = started["child"]
     try:
-        child.wait(60)  # serves, after its starter thread has ended
+        child.wait(STARTUP_S)  # serves, after its starter thread has ended
         assert child.alive()
     finally:
         child.stop()

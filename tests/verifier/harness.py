@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 class VerifierProcess:
-    def __init__(self, model_dir, *extra: str, startup_s: float = 120.0):
+    def __init__(self, model_dir, *extra: str, startup_s: float = 300.0):
         self.metrics_port = free_port()
         cmd = [
             sys.executable, "-m", "treeserve.cli", "verifier", "--model", str(model_dir), "--device", "cpu",

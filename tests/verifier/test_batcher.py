@@ -107,12 +107,12 @@ def test_items_of_departed_callers_never_reach_the_model(make):
 
 
 def test_idle_sequences_are_swept(make):
-    engine, batcher = make(idle_timeout_s=0.3)
+    engine, batcher = make(idle_timeout_s=2.0)
     _prefill(engine, 2)
     slots_before = len(engine.lm.pool.in_use())
     batcher.start()
-    # keep one sequence busy, let the other go idle
-    deadline = time.monotonic() + 10
+    # keep one sequence busy (touched 40 times within its idle bound), let the other go idle
+    deadline = time.monotonic() + 30
     while "s1" in engine.table and time.monotonic() < deadline:
         batcher.submit(engine.commit, "s0", 5, (0,)).exception(10)  # refused (no tree), but a touch
         time.sleep(0.05)
@@ -150,7 +150,7 @@ def test_bearer_token_is_required(tiny_pair):
 
 
 def test_window_waits_only_for_expected_company(make):
-    engine, batcher = make(batch_window_ms=1500)
+    engine, batcher = make(batch_window_ms=3000)
     (a, La, ra), (b, Lb, rb), _ = _prefill(engine, 3)
     one = {a: VerifyWork(a, La, TokenTree.single(ra)), b: VerifyWork(b, Lb, TokenTree.single(rb))}
     # s0 and s1 come in separate requests and share a forward (queued before the model thread starts)
@@ -170,12 +170,12 @@ def test_window_waits_only_for_expected_company(make):
     t = time.monotonic()
     for _ in range(3):
         assert batcher.verify([one[a]]).result(30).batch_sequences == 1
-    assert time.monotonic() - t < 1.0
+    assert time.monotonic() - t < 2.5  # three forwards of a tiny model, no 3 s window
 
 
 def test_window_opens_when_the_model_comes_free(make):
     """Clients that fell out of step (one arriving while the other's forward runs) share again."""
-    engine, batcher = make(batch_window_ms=500)
+    engine, batcher = make(batch_window_ms=2000)
     (a, La, ra), (b, Lb, rb) = _prefill(engine, 2)
     one = {a: VerifyWork(a, La, TokenTree.single(ra)), b: VerifyWork(b, Lb, TokenTree.single(rb))}
     first = [batcher.verify([one[a]]), batcher.verify([one[b]])]  # separate requests, one forward
@@ -185,7 +185,7 @@ def test_window_opens_when_the_model_comes_free(make):
         held, release = _hold_model(rpc, batcher)  # stands in for b's forward
         fa = rpc.submit(lambda: batcher.verify([one[a]]).result(30))
         _wait_queued(batcher, 1)
-        time.sleep(0.6)  # s0 has been queued for longer than the window
+        time.sleep(2.1)  # s0 has been queued for longer than the window
         release.set()
         time.sleep(0.05)
         fb = rpc.submit(lambda: batcher.verify([one[b]]).result(30))
@@ -230,7 +230,7 @@ def _record_threads(engine):
 
 
 def test_a_lone_request_runs_at_once_on_the_callers_thread(make):
-    engine, batcher = make(batch_window_ms=200)
+    engine, batcher = make(batch_window_ms=2000)
     (a, La, ra), (b, Lb, rb), _ = _prefill(engine, 3)  # the third live sequence stays idle
     calls = _record_threads(engine)
     batcher.start()
@@ -244,7 +244,8 @@ def test_a_lone_request_runs_at_once_on_the_callers_thread(make):
         assert all(o.error is None for o in reply.outputs) and reply.batch_sequences == len(works)
         assert reply.timing.inline and reply.timing.forward == reply.forward_ms > 0
         waited = elapsed - reply.forward_ms / 1e3  # the first forward of a fresh model is slow
-        assert reply.timing.queue < 100 and waited < 0.1, f"{len(works)} sequence(s) waited {waited:.3f} s"
+        # no 2 s window waited (the bound leaves room for a busy machine's scheduling)
+        assert reply.timing.queue < 1000 and waited < 1.0, f"{len(works)} sequence(s) waited {waited:.3f} s"
     assert calls == [(threading.current_thread(), 1)] * 2 + [(threading.current_thread(), 2), (threading.current_thread(), 1)]
     # operations too: a commit runs on this thread and is done on return
     op = batcher.submit(engine.commit, a, La, (0, 1))

@@ -143,10 +143,10 @@ def test_late_response_is_deadline_exceeded_and_the_next_send_reopens(client, op
     sid = fresh_id()
     L, root = client.prefill(sid, [8, 9, 10])
     slow = request(VerifyItem(sid, L, random_tree(random.Random(1), root, VOCAB, size=16)))
-    with open_stream(timeout=1.0) as stream:
+    with open_stream(timeout=3.0) as stream:
         # answers in time, also after the deadline thread woke up with nothing to wait for
         assert stream.send(slow).results[0].committed_length == L
-        time.sleep(1.2)
+        time.sleep(3.2)
         assert stream.send(slow).results[0].committed_length == L
         with pytest.raises(grpc.RpcError) as e:
             stream.send(slow, timeout=1e-4)  # no round trip through a model is this fast
@@ -213,7 +213,7 @@ def test_shutdown_ends_an_open_stream_at_its_next_request(tiny_pair, transport):
                 proc.proc.terminate()
                 t0 = time.monotonic()
                 with pytest.raises(grpc.RpcError) as err:
-                    for _ in range(200):  # until the server has taken the signal
+                    while time.monotonic() - t0 < GRACE_S / 2:  # until the server has taken the signal
                         stream.send(request(VerifyItem("bye", L, TokenTree((root,), (-1,)))))
                         time.sleep(0.02)
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value

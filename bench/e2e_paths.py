@@ -220,7 +220,7 @@ class GrpcPath:
             if time.perf_counter() > deadline:
                 self.engine.cancel(rid)
                 raise TimeoutError(f"{rid}: no finish after {timeout_s:.0f} s")
-            for ev in self.engine.outbox.drain(rid, timeout=1.0):
+            for ev in self.engine.outbox.drain(rid, timeout=1.0)[1]:
                 if ev.error is not None:
                     raise RuntimeError(f"{rid} failed ({ev.error[0]}): {ev.error[1]}")
                 if ev.moved_to is not None:

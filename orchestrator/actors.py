@@ -26,7 +26,8 @@ import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
 from orchestrator.engine import Engine, EngineConfig, Hooks
-from orchestrator.names import COORDINATOR, engine_actor_name
+from orchestrator.names import (COORDINATOR, ENGINE_ANSWERS, ENGINE_DEAD, ENGINE_UNKNOWN, ENGINE_UNREACHABLE,
+                                engine_actor_name)
 from orchestrator.request import RequestSpec, RequestState
 
 log = logging.getLogger("treeserve.orchestrator.actors")
@@ -46,8 +47,8 @@ class _CoordinatorHooks(Hooks):
         # waited for: the engine publishes the requests' last events once the coordinator forgot them
         ray.get(self._coord.finished.remote(self._verifier, request_ids), timeout=FINISHED_TIMEOUT_S)
 
-    def forward_cancel(self, request_id, engine, reason):
-        ray.get_actor(engine, namespace=self._ns).cancel.remote(request_id, reason)
+    def forward_cancel(self, request_id, engine, reason, admission=""):
+        ray.get_actor(engine, namespace=self._ns).cancel.remote(request_id, reason, admission)
 
     def replica_down(self, states):
         return ray.get(self._coord.replica_down.remote(self._verifier, states))
@@ -72,11 +73,11 @@ class EngineActor:
     def adopt(self, state: RequestState) -> bool:
         return self._engine.adopt(state)
 
-    def cancel(self, request_id: str, reason: str) -> None:
-        self._engine.cancel(request_id, reason)
+    def cancel(self, request_id: str, reason: str, admission: str = "") -> None:
+        self._engine.cancel(request_id, reason, admission)
 
-    def drain(self, front: str, timeout: float) -> list:
-        return self._engine.outbox.drain(front, timeout)
+    def drain(self, front: str, timeout: float, ack: int = 0) -> tuple[int, list]:
+        return self._engine.outbox.drain(front, timeout, ack)
 
     def stats(self) -> dict:
         return self._engine.stats()
@@ -223,13 +224,14 @@ class CoordinatorCore:
             if self._where.get(request_id) == rep.verifier:
                 del self._where[request_id]
 
-    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
+    def cancel(self, request_id: str, reason: str = "cancelled", admission: str = "") -> bool:
+        """admission: only the request admitted with it (`Engine.cancel`); empty: whichever is live."""
         with self._lock:
             verifier = self._where.get(request_id)
             rep = self._replicas.get(verifier) if verifier else None
         if rep is None:
             return False
-        rep.engine.cancel.remote(request_id, reason)
+        rep.engine.cancel.remote(request_id, reason, admission)
         return True
 
     def finished(self, verifier: str, request_ids: list[str]) -> None:
@@ -304,20 +306,22 @@ class CoordinatorCore:
                 self._engine_failed(rep, exc)
         return out
 
-    def check_engine(self, engine: str) -> bool:
+    def check_engine(self, engine: str) -> str:
         """A front lost its long poll to `engine`: drop the replica if the engine is dead (its
-        requests' ids become free at once). True when it answers."""
+        requests' ids become free at once). One of names.ENGINE_*."""
         with self._lock:
             reps = [r for r in self._replicas.values() if r.name == engine]
+        if not reps:
+            return ENGINE_UNKNOWN
         for rep in reps:
             try:
                 ray.get(rep.engine.ping.remote(), timeout=10)
             except RayActorError as exc:
                 self._engine_failed(rep, exc)
-                return False
+                return ENGINE_DEAD if isinstance(exc, ActorDiedError) else ENGINE_UNREACHABLE
             except GetTimeoutError:
-                return True  # busy, not dead
-        return bool(reps)
+                pass  # busy, not dead
+        return ENGINE_ANSWERS
 
     # ---- internals ----------------------------------------------------------------------
     def _by_load(self) -> list[_Replica]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections import OrderedDict, defaultdict
@@ -64,6 +65,12 @@ ADAPTIVE_START = 8
 RELEASE_TIMEOUT_S = 5.0  # longest wait for a Release (those of a failure's leftovers run side by side)
 MOVED_MEMORY = 4096  # moved requests remembered, so that a cancel that arrives late can follow them
 ENDINGS_FLUSH_S = 5.0  # how long a stopping engine lets its queued last events go out
+# A front that has not drained its events for this long is gone (crashed, or stopped with its
+# requests still here): its requests are cancelled and its events dropped. Fronts drain every
+# second or two; this leaves room for a long pause of theirs
+FRONT_SILENT_S = 60.0
+READING_S = 5.0  # a front heard from within this is still draining (a stopping engine waits for it)
+FRONT_CHECK_S = 1.0  # how often the step loop looks for silent fronts
 
 
 class VerifierUnreachable(grpc.FutureTimeoutError):
@@ -107,7 +114,7 @@ class Hooks:
         last events are published once it returns, so it should return only when the rest of the
         system has forgotten the ids."""
 
-    def forward_cancel(self, request_id: str, engine: str, reason: str) -> None:
+    def forward_cancel(self, request_id: str, engine: str, reason: str, admission: str = "") -> None:
         """Cancel a request that this engine handed to `engine` (the cancel came here first)."""
 
     def replica_down(self, states: list[RequestState]) -> dict[str, str]:
@@ -119,30 +126,77 @@ class Hooks:
 
 
 class Outbox:
-    """Events per front, drained in batches (one call per batch, not per token)."""
+    """Events per front, drained in batches (one call per batch, not per token).
 
-    def __init__(self):
+    Delivery is at least once: a batch stays here until the front's next `drain` names it
+    (`ack`), and a drain that does not is answered with it again, then what came since. A reply
+    lost on the way (a Ray call that failed after the engine had run it) loses no event; the
+    front's inboxes drop the repeats. A front that stops draining for `silent_s` (it crashed or
+    was stopped) is dropped with its events (`drop_silent`); what is put for it later is dropped
+    too, until it drains again."""
+
+    def __init__(self, silent_s: float = FRONT_SILENT_S, clock=time.monotonic):
+        self.silent_s = silent_s
+        self._clock = clock
         self._cv = threading.Condition()
         self._events: dict[str, list[Event]] = defaultdict(list)
+        self._sent: dict[str, tuple[int, list[Event]]] = {}  # each front's last batch, until acknowledged
+        self._heard: dict[str, float] = {}  # when each front last drained (or had its first events)
 
     def put(self, front: str, events: Iterable[Event]) -> None:
         with self._cv:
+            if self._silent(front, self._heard.setdefault(front, self._clock())):
+                return  # nobody would take them
             self._events[front].extend(events)
             self._cv.notify_all()
 
-    def drain(self, front: str, timeout: float) -> list[Event]:
+    def drain(self, front: str, timeout: float, ack: Optional[int] = None) -> tuple[int, list[Event]]:
+        """(batch, events): what `front` has not acknowledged, waiting up to `timeout` for some.
+        `ack`: the batch the front's last drain returned (0: none yet), the returned one next
+        time; None: a reader in this process, which cannot lose an answer: nothing is kept."""
         with self._cv:
-            if not self._events.get(front):
+            self._heard[front] = self._clock()
+            sent = self._sent.get(front)
+            if sent is not None and (ack is None or sent[0] == ack):
+                del self._sent[front]
+                sent = None
+            if sent is None and not self._events.get(front):
                 self._cv.wait_for(lambda: bool(self._events.get(front)), timeout)
-            events = self._events.pop(front, [])
-            if events:
-                self._cv.notify_all()  # `wait_drained`
-            return events
+            self._heard[front] = self._clock()
+            new = self._events.pop(front, [])
+            if sent is None and not new:
+                return ack or 0, []
+            self._cv.notify_all()  # `wait_drained`
+            events = (sent[1] if sent is not None else []) + new
+            if ack is None:
+                return 0, events
+            batch = secrets.randbits(62) or 1  # not a count: a new engine under the same name must not match an old ack
+            self._sent[front] = (batch, events)
+            return batch, events
 
     def wait_drained(self, timeout: float) -> bool:
-        """Wait (at most `timeout`) until every front has taken its events."""
+        """Wait (at most `timeout`) until every front still draining (heard from within
+        READING_S) has taken its events."""
+        def taken() -> bool:
+            now = self._clock()
+            return not any(events and now - self._heard.get(front, now) <= READING_S
+                           for front, events in self._events.items())
+
         with self._cv:
-            return self._cv.wait_for(lambda: not any(self._events.values()), timeout)
+            return self._cv.wait_for(taken, timeout)
+
+    def drop_silent(self) -> list[str]:
+        """The fronts that have events here and have not drained for `silent_s`; their events go."""
+        with self._cv:
+            gone = [front for front in set(self._events) | set(self._sent)
+                    if (self._events.get(front) or front in self._sent) and self._silent(front, self._heard.get(front))]
+            for front in gone:
+                self._events.pop(front, None)
+                self._sent.pop(front, None)
+            return gone
+
+    def _silent(self, front: str, heard: Optional[float]) -> bool:
+        return heard is not None and self._clock() - heard > self.silent_s
 
 
 class Endings:
@@ -289,8 +343,10 @@ class Engine:
         self._inbox.put(("add", state))
         return True
 
-    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
-        self._inbox.put(("cancel", request_id, reason))
+    def cancel(self, request_id: str, reason: str = "cancelled", admission: str = "") -> None:
+        """admission: cancel only the request admitted with it (`RequestSpec.admission`), not a
+        newer one under the same id; empty: whichever is live under the id."""
+        self._inbox.put(("cancel", request_id, reason, admission))
 
     def stats(self) -> dict:
         a, c = self.cost.fit()
@@ -319,9 +375,13 @@ class Engine:
 
     # ---- the loop -----------------------------------------------------------------------
     def _run(self) -> None:
+        next_front_check = 0.0
         while not self._stop.is_set():
             try:
                 self._absorb(wait=not self._requests)
+                if time.monotonic() >= next_front_check:
+                    next_front_check = time.monotonic() + FRONT_CHECK_S
+                    self._cancel_for_silent_fronts()
                 if self._down_since is not None:
                     self._probe()
                     continue
@@ -343,15 +403,17 @@ class Engine:
                 self._requests[msg[1].request_id] = msg[1]
                 self._moved.pop(msg[1].request_id, None)  # moved back here
             elif msg[0] == "cancel":
-                self._cancel(msg[1], msg[2])
+                self._cancel(*msg[1:])
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
-    def _cancel(self, request_id: str, reason: str) -> None:
+    def _cancel(self, request_id: str, reason: str, admission: str = "") -> None:
         r = self._requests.get(request_id)
         if r is not None:
+            if admission and r.spec.admission != admission:
+                return  # meant for an earlier request under the id, which has ended
             log.debug("%s: %s ends: %s", self.name, r.request_id, reason)
             self._end(r, r.next_event(finish=CANCELLED))
             return
@@ -362,9 +424,18 @@ class Engine:
         # once `replica_down` returns): it must not be lost, so it follows the request
         log.info("%s: cancel of %s follows it to %s", self.name, request_id, engine)
         try:
-            self.hooks.forward_cancel(request_id, engine, reason)
+            self.hooks.forward_cancel(request_id, engine, reason, admission)
         except Exception:  # noqa: BLE001
             log.exception("%s: could not forward the cancel of %s to %s", self.name, request_id, engine)
+
+    def _cancel_for_silent_fronts(self) -> None:
+        """Requests whose front stopped draining (`Outbox.drop_silent`) end: nobody hears them."""
+        for front in self.outbox.drop_silent():
+            orphans = [r for r in self._requests.values() if r.spec.front == front]
+            log.warning("%s: front %s has not read its events for %.0f s: cancelling its %d request(s)", self.name,
+                        front, self.outbox.silent_s, len(orphans))
+            for r in orphans:
+                self._cancel(r.request_id, "its front stopped reading")
 
     def _step(self, batch: list[RequestState]) -> None:
         t0 = time.perf_counter()

@@ -75,11 +75,13 @@ class FrontLimits:
 
 class _Cancellation:
     """Cancels a request on the services at most once, and not once it has ended. Called from the
-    RPC's done-callback (a gRPC thread) and from the handler, hence the lock."""
+    RPC's done-callback (gRPC's polling thread: the cancel must not wait there, `cancel_soon`) and
+    from the handler, hence the lock. Only this request: not a newer one that reuses its id."""
 
-    def __init__(self, router: Router, request_id: str):
+    def __init__(self, router: Router, spec: RequestSpec):
         self._router = router
-        self._request_id = request_id
+        self._request_id = spec.request_id
+        self._admission = spec.admission
         self._lock = threading.Lock()
         self._settled = False
 
@@ -93,7 +95,7 @@ class _Cancellation:
             if self._settled:
                 return
             self._settled = True
-        self._router.cancel(self._request_id, reason)
+        self._router.cancel_soon(self._request_id, reason, self._admission)
 
 
 class GenerationServicer(pbg.GenerationServicer):
@@ -125,7 +127,7 @@ class GenerationServicer(pbg.GenerationServicer):
         inbox, error = self._router.submit(spec)
         if error is not None:
             raise StatusError(*error)
-        cancel = _Cancellation(self._router, spec.request_id)
+        cancel = _Cancellation(self._router, spec)
         try:
             # the RPC ends (normal end, client cancel, disconnect or deadline): cancel unless it ended
             if not context.add_callback(cancel):

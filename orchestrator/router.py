@@ -3,10 +3,16 @@ engines' outboxes, cancel.
 
 One reader thread per engine long-polls `EngineActor.drain(front)` and files each event into its
 request's `Inbox`. Events carry a per-request sequence number, and the inbox releases them in
-order: a request that moved between engines may have its last events from the old engine and
-its first from the new one drained in either order. A reader whose engine died asks the
-coordinator to drop it (`Coordinator.check_engine`) before it fails the engine's requests, so a
-client that retries with the same id is not told the id is still live.
+order, once each: a request that moved between engines may have its last events from the old
+engine and its first from the new one drained in either order, and a drain whose answer was lost
+is answered again (`engine.Outbox`: each drain acknowledges the batch before it). A drain that
+fails makes the reader ask the coordinator about the engine (`Coordinator.check_engine`, which
+drops a dead one, freeing its requests' ids). One that answers, or is only unreachable for now,
+is read again, for ENGINE_LOST_S at most; then, or once it is dead, its requests here fail
+(UNAVAILABLE), and those it may still run are cancelled.
+
+Cancels from gRPC's done-callbacks go through `cancel_soon`: those callbacks run on the server's
+one polling thread, and a wait there for Ray would stall every call of the server.
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ from typing import Optional
 import ray
 from ray.exceptions import GetTimeoutError
 
-from orchestrator.names import COORDINATOR
+from orchestrator.names import COORDINATOR, ENGINE_ANSWERS, ENGINE_DEAD, ENGINE_UNKNOWN, ENGINE_UNREACHABLE
 from orchestrator.request import Event, RequestSpec
 
 log = logging.getLogger("treeserve.orchestrator.router")
@@ -29,6 +35,8 @@ _UNAVAILABLE = 14
 DRAIN_POLL_S = 1.0  # how long one `EngineActor.drain` call waits for events
 DRAIN_SLACK_S = 1.0  # and how much longer a reader waits for its answer before it checks for `stop`
 STOP_TIMEOUT_S = 5.0  # how long `Router.stop` waits for the threads in Ray to leave it
+ENGINE_LOST_S = 30.0  # how long a reader goes on asking an engine that answers nothing (or fails its drains)
+READ_RETRY_S = 1.0  # the pause before asking such an engine again
 
 
 class Inbox:
@@ -81,6 +89,9 @@ class Router:
         self._inboxes: dict[str, Inbox] = {}
         self._readers: dict[str, threading.Thread] = {}
         self._stopped = threading.Event()
+        self._cancels: queue.Queue = queue.Queue()  # (request id, reason, admission), or None: stop
+        self._canceller = threading.Thread(target=self._cancel_in_turn, name="router-cancels", daemon=True)
+        self._canceller.start()
 
     def submit(self, spec: RequestSpec) -> tuple[Optional[Inbox], Optional[tuple[int, str]]]:
         """(inbox, None) or (None, (grpc code number, message))."""
@@ -103,15 +114,25 @@ class Router:
         self._ensure_reader(engine)
         return inbox, None
 
-    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
+    def cancel(self, request_id: str, reason: str = "cancelled", admission: str = "") -> bool:
+        """Whether a request was live under the id. admission: only the request admitted with it
+        (`RequestSpec.admission`), not a newer one that reused the id."""
         try:
             with self._calling_ray():
-                return bool(ray.get(self.coordinator.cancel.remote(request_id, reason), timeout=10))
+                return bool(ray.get(self.coordinator.cancel.remote(request_id, reason, admission), timeout=10))
         except _Stopped:
             return False
         except Exception:  # noqa: BLE001
             log.exception("cancel of %s failed", request_id)
             return False
+
+    def cancel_soon(self, request_id: str, reason: str, admission: str) -> None:
+        """`cancel` on this router's own thread, in order, without waiting: for gRPC's done-callbacks."""
+        self._cancels.put((request_id, reason, admission))
+
+    def _cancel_in_turn(self) -> None:
+        while (item := self._cancels.get()) is not None:
+            self.cancel(*item)
 
     def forget(self, inbox: Inbox) -> None:
         """Stop filing events for `inbox`'s request (idempotent). Only that inbox: a new request
@@ -126,7 +147,8 @@ class Router:
         deadline = time.monotonic() + timeout
         with self._lock:
             self._stopped.set()  # under the lock: `_ensure_reader` and `_calling_ray` see it there
-            readers = list(self._readers.values())
+            readers = [*self._readers.values(), self._canceller]
+            self._cancels.put(None)  # the cancels queued before it are refused (`_Stopped`), quickly
             self._left_ray.wait_for(lambda: self._in_ray == 0, timeout)
         for t in readers:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -165,23 +187,37 @@ class Router:
         except _Stopped:
             return
         except ValueError:
-            self._fail_engine(engine, "engine is gone")
+            lost = self._filed_under(engine)
+            self._fail_engine(engine, "engine is gone", self._check_engine(engine), lost)
             return
-        pending = None  # a drain call not answered yet: asked again, never sent twice (it takes events)
+        pending = None  # a drain call not answered yet: asked again rather than piling up calls
+        ack = 0  # the batch the last drain returned: the next one acknowledges it
+        failing_since = None
         while True:
             try:
                 with self._calling_ray():
                     if pending is None:
-                        pending = handle.drain.remote(self.front, DRAIN_POLL_S)
-                    events = ray.get(pending, timeout=DRAIN_POLL_S + DRAIN_SLACK_S)
-                pending = None
+                        pending = handle.drain.remote(self.front, DRAIN_POLL_S, ack)
+                    ack, events = ray.get(pending, timeout=DRAIN_POLL_S + DRAIN_SLACK_S)
+                pending, failing_since = None, None
             except (_Stopped, SystemExit):  # SystemExit: what Ray raises here when it shuts down
                 return
             except GetTimeoutError:  # a busy engine: wait on, letting a `stop` in between
                 continue
-            except Exception as exc:  # noqa: BLE001 - RayActorError and friends: the engine died
+            except Exception as exc:  # noqa: BLE001 - RayActorError and friends
+                pending = None  # a new drain, with the same ack: a lost answer comes again
+                failing_since = failing_since or time.monotonic()
+                lost = self._filed_under(engine)  # before the check: later ones may be a new engine's
+                verdict = self._check_engine(engine)
+                if verdict in (ENGINE_ANSWERS, ENGINE_UNREACHABLE) and \
+                        time.monotonic() - failing_since < ENGINE_LOST_S:
+                    log.warning("engine %s: a drain failed (%s); the engine %s, reading again", engine, exc, verdict)
+                    if self._stopped.wait(READ_RETRY_S):
+                        return
+                    continue
                 log.warning("engine %s unreachable: %s", engine, exc)
-                self._fail_engine(engine, f"engine {engine} died")
+                self._fail_engine(engine, f"engine {engine} died" if verdict == ENGINE_DEAD else
+                                  f"engine {engine} unreachable", verdict, lost)
                 return
             for ev in events:
                 with self._lock:
@@ -194,25 +230,36 @@ class Router:
                     continue
                 inbox.deliver(ev)
 
-    def _fail_engine(self, engine: str, message: str) -> None:
-        """Fail the requests of a dead engine, once the coordinator has dropped it. Those filed
-        under its name after the snapshot (submitted meanwhile, perhaps to an engine registered
-        again under the name) get a reader of their own, which finds out which."""
-        with self._lock:
-            lost = [i for i in self._inboxes.values() if i.engine == engine]
+    def _check_engine(self, engine: str) -> str:
+        """What the coordinator says of `engine` (a dead one it drops); unreachable when it cannot say."""
         try:
             with self._calling_ray():
-                ray.get(self.coordinator.check_engine.remote(engine), timeout=15)
+                return ray.get(self.coordinator.check_engine.remote(engine), timeout=15)
         except _Stopped:
-            pass
-        except Exception:  # noqa: BLE001 - the requests fail all the same
-            log.exception("could not report engine %s to the coordinator", engine)
+            return ENGINE_UNREACHABLE
+        except Exception:  # noqa: BLE001
+            log.exception("could not ask the coordinator about engine %s", engine)
+            return ENGINE_UNREACHABLE
+
+    def _filed_under(self, engine: str) -> list[Inbox]:
+        with self._lock:
+            return [i for i in self._inboxes.values() if i.engine == engine]
+
+    def _fail_engine(self, engine: str, message: str, verdict: str, lost: list[Inbox]) -> None:
+        """Fail `lost`, the requests of an engine this front lost, filed under it before the
+        coordinator was asked. Unless the coordinator knows it dead or gone (their ids are free
+        then), it may still run them: they are cancelled. Those filed under its name since
+        (submitted meanwhile, perhaps to an engine registered again under the name) get a reader
+        of their own, which finds out which."""
         with self._lock:
             if self._readers.get(engine) is threading.current_thread():
                 del self._readers[engine]
-            failed = {id(i) for i in lost}
-            newer = any(i.engine == engine and id(i) not in failed for i in self._inboxes.values())
         for inbox in lost:
             inbox.fail(_UNAVAILABLE, message)
+            if verdict not in (ENGINE_DEAD, ENGINE_UNKNOWN):
+                self.cancel_soon(inbox.request_id, message, inbox.admission)
+        with self._lock:
+            failed = {id(i) for i in lost}
+            newer = any(i.engine == engine and id(i) not in failed for i in self._inboxes.values())
         if newer:
             self._ensure_reader(engine)

@@ -9,6 +9,7 @@ from collections import defaultdict
 
 import pytest
 
+from orchestrator import engine as engine_module
 from orchestrator.engine import Engine, EngineConfig, Hooks
 from orchestrator.request import CANCELLED, LENGTH, RequestSpec, Speculation
 from tests.orchestrator.inproc import CuttingProxy, LocalVerifier
@@ -55,13 +56,13 @@ class Events:
         while not predicate():
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out waiting for {what}: {dict(self.by_request)}")
-            for ev in self._engine.outbox.drain(FRONT, 0.2):
+            for ev in self._engine.outbox.drain(FRONT, 0.2)[1]:
                 self.by_request[ev.request_id].append(ev)
 
     def pump_for(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
-            for ev in self._engine.outbox.drain(FRONT, min(left, 0.2)):
+            for ev in self._engine.outbox.drain(FRONT, min(left, 0.2))[1]:
                 self.by_request[ev.request_id].append(ev)
 
     def tokens(self, rid: str) -> list[int]:
@@ -136,7 +137,7 @@ class MoveOnCue(Hooks):
         assert self.go.wait(30)
         return {s.request_id: "engine:other" for s in states}
 
-    def forward_cancel(self, request_id, engine, reason):
+    def forward_cancel(self, request_id, engine, reason, admission=""):
         self.forwarded.append((request_id, engine, reason))
 
 
@@ -249,3 +250,45 @@ def test_a_stopped_engine_takes_no_request(verifier):
     code, message = engine.submit(spec("late", 3))
     assert code == 14 and "stopping" in message
     assert engine.load == 0
+
+
+def test_a_cancel_meant_for_an_earlier_request_under_the_id_is_ignored(verifier):
+    """A cancel that names another admission (the id's earlier request, which has ended) leaves the
+    live request running; one that names its own ends it."""
+    engine = engine_for(verifier.address, Hooks(), "admissions")
+    try:
+        events = Events(engine)
+        live = spec("reused", 120)
+        assert engine.submit(live) is None
+        events.pump_until(lambda: len(events.tokens("reused")) >= 2, 120, "first tokens")
+        engine.cancel("reused", "client went away", "0123abcd")
+        before = len(events.tokens("reused"))
+        events.pump_until(lambda: len(events.tokens("reused")) >= before + 3, 120, "more tokens")
+        assert not events.ended("reused")
+        engine.cancel("reused", "client went away", live.admission)
+        events.pump_until(lambda: events.ended("reused"), 60, "the cancel")
+        assert events.by_request["reused"][-1].finish == CANCELLED
+    finally:
+        engine.stop()
+
+
+def test_the_requests_of_a_front_that_stopped_draining_are_cancelled(verifier, monkeypatch, caplog):
+    """A front that crashed (or stopped with requests running) drains no more: after the outbox's
+    silent_s its requests end and their slots are free, and nothing more piles up for it; the
+    front that comes back is heard again."""
+    monkeypatch.setattr(engine_module, "FRONT_CHECK_S", 0.05)
+    engine = engine_for(verifier.address, Hooks(), "silent")
+    engine.outbox.silent_s = 0.2
+    try:
+        events = Events(engine)
+        assert engine.submit(spec("orphan", 120)) is None
+        events.pump_until(lambda: len(events.tokens("orphan")) >= 2, 120, "first tokens")
+        wait_until(lambda: engine.load == 0, 60, "the orphan cancelled")  # nobody drains meanwhile
+        assert "cancelling its 1 request(s)" in caplog.text  # cancelled, not run to its length
+        wait_until(lambda: verifier.active() == 0, 30, "its sequence released")
+        assert engine.outbox.drain(FRONT, 0.0) == (0, [])  # its events went with the front
+        assert engine.submit(spec("back", 3)) is None  # the front drains again: heard from now on
+        events.pump_until(lambda: events.ended("back"), 120, "the returning front's request")
+        assert events.by_request["back"][-1].finish == LENGTH
+    finally:
+        engine.stop()

@@ -31,17 +31,23 @@ class StandInRouter:
     def __init__(self, on_cancel=None):
         self.inboxes: dict[str, Inbox] = {}
         self.cancels: list[tuple[str, str]] = []
+        self.admissions: dict[str, str] = {}
         self._on_cancel = on_cancel
 
     def submit(self, spec):
         inbox = self.inboxes[spec.request_id] = Inbox(spec.request_id)
+        self.admissions[spec.request_id] = spec.admission
         return inbox, None
 
-    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
+    def cancel(self, request_id: str, reason: str = "cancelled", admission: str = "") -> bool:
         self.cancels.append((request_id, reason))
         if self._on_cancel is not None:
             self._on_cancel(request_id, reason)
         return True
+
+    def cancel_soon(self, request_id: str, reason: str, admission: str) -> None:
+        assert admission == self.admissions[request_id]  # that request's, not whichever holds the id
+        self.cancel(request_id, reason, admission)
 
     def forget(self, inbox: Inbox) -> None:
         if self.inboxes.get(inbox.request_id) is inbox:

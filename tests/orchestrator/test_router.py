@@ -9,7 +9,8 @@ import threading
 import pytest
 
 from orchestrator import router as router_module
-from orchestrator.names import COORDINATOR
+from orchestrator.engine import Outbox
+from orchestrator.names import COORDINATOR, ENGINE_ANSWERS, ENGINE_DEAD, ENGINE_UNREACHABLE
 from orchestrator.request import CANCELLED, Event, RequestSpec, Speculation
 from orchestrator.router import Router
 from tests.orchestrator.stack import wait_until
@@ -40,37 +41,63 @@ class Method:
         return Call(self.fn, *args)
 
 
+class EngineUnavailable(Exception):
+    pass
+
+
 class StandInEngine:
-    """An outbox per front; `kill()` makes every drain from then on fail as a dead actor's would."""
+    """The engine's own `Outbox` behind a stand-in actor. `kill()` makes every drain from then on
+    fail as a dead actor's would; `lose_answers(n)`: the next n drains run, then fail as one whose
+    answer was lost on the way (a transient Ray error)."""
 
     def __init__(self):
-        self.events: queue.Queue = queue.Queue()
+        self.outbox = Outbox()
         self.dead = threading.Event()
+        self._lose = 0
         self.drain = Method(self._drain)
 
-    def _drain(self, front, timeout):
+    def put(self, event: Event, front: str = "front") -> None:
+        self.outbox.put(front, [event])
+
+    def lose_answers(self, n: int) -> None:
+        self._lose = n
+
+    def _drain(self, front, timeout, ack):
         if self.dead.is_set():
             raise EngineDied("the actor died")
-        try:
-            return [self.events.get(timeout=min(timeout, 0.05))]
-        except queue.Empty:
-            return []
+        answer = self.outbox.drain(front, min(timeout, 0.05), ack)
+        if self._lose:
+            self._lose -= 1
+            raise EngineUnavailable("the answer was lost")
+        return answer
 
     def kill(self):
         self.dead.set()
 
 
 class StandInCoordinator:
-    """Routes every request to engine "E". `hold` blocks `cancel` and `check_engine` until released."""
+    """Routes every request to engine "E". `hold` blocks `cancel` and `check_engine` until
+    released; `check_engine` says `verdict`."""
 
-    def __init__(self):
+    def __init__(self, engines: dict):
+        self.engines = engines
         self.hold = threading.Event()
         self.hold.set()
         self.entered = threading.Event()
         self.checked: list[str] = []
+        self.cancelled: list[tuple[str, str, str]] = []
+        self.verdict = ENGINE_ANSWERS
         self.submit = Method(lambda spec: ("E", None))
-        self.cancel = Method(self._held(lambda rid, reason: True))
-        self.check_engine = Method(self._held(self.checked.append))
+        self.cancel = Method(self._held(self._cancel))
+        self.check_engine = Method(self._held(self._check))
+
+    def _cancel(self, rid, reason, admission):
+        self.cancelled.append((rid, reason, admission))
+        return True
+
+    def _check(self, engine):
+        self.checked.append(engine)
+        return self.verdict
 
     def _held(self, fn):
         def call(*args):
@@ -82,8 +109,8 @@ class StandInCoordinator:
 
 class StandInRay:
     def __init__(self):
-        self.coordinator = StandInCoordinator()
         self.engines: dict[str, StandInEngine] = {"E": StandInEngine()}
+        self.coordinator = StandInCoordinator(self.engines)
 
     def get_actor(self, name, namespace=None):
         if name == COORDINATOR:
@@ -162,6 +189,7 @@ def test_a_dead_engines_requests_fail_and_later_ones_get_a_reader(ray_api, route
     first_reader = router._readers["E"]
     ray_api.coordinator.hold.clear()
     ray_api.engines["E"].kill()
+    ray_api.coordinator.verdict = ENGINE_DEAD  # what it says of the engine it pinged: the old one
     assert ray_api.coordinator.entered.wait(5)  # the reader reports the engine: check_engine is held
     # meanwhile the verifier is registered again, its engine under the same name, and a request goes there
     ray_api.engines["E"] = StandInEngine()
@@ -170,11 +198,12 @@ def test_a_dead_engines_requests_fail_and_later_ones_get_a_reader(ray_api, route
     ray_api.coordinator.hold.set()
     failed = old.get(timeout=10)
     assert failed.error is not None and failed.error[0] == UNAVAILABLE
-    ray_api.engines["E"].events.put(Event("new", 0, tokens=(7,), admission=new.admission))
+    ray_api.engines["E"].put(Event("new", 0, tokens=(7,), admission=new.admission))
     delivered = new.get(timeout=10)
     assert delivered is not None and delivered.tokens == (7,)
     wait_until(lambda: router._readers.get("E") is not first_reader, 10, "a new reader")
     assert ray_api.coordinator.checked == ["E"]
+    assert ray_api.coordinator.cancelled == []  # a dead engine's ids are free: nothing to cancel
     assert router.stop() is True
 
 
@@ -188,9 +217,50 @@ def test_a_late_event_of_an_ids_last_user_is_not_filed_under_its_next(ray_api, r
     again = spec("x")
     assert again.admission != first.admission
     inbox, _ = router.submit(again)
-    outbox = ray_api.engines["E"].events
-    outbox.put(Event("x", 0, finish=CANCELLED, admission=first.admission))
-    outbox.put(Event("x", 0, tokens=(5,), admission=again.admission))
+    engine = ray_api.engines["E"]
+    engine.put(Event("x", 0, finish=CANCELLED, admission=first.admission))
+    engine.put(Event("x", 0, tokens=(5,), admission=again.admission))
     ev = inbox.get(timeout=10)
     assert ev.tokens == (5,) and ev.finish is None
     assert router.stop() is True
+
+
+def test_a_cancel_from_a_done_callback_does_not_wait_for_ray(ray_api, router):
+    """`cancel_soon` returns at once while the coordinator takes its time (gRPC runs done-callbacks
+    on its one polling thread); the cancel is made, for that request's admission only."""
+    ray_api.coordinator.hold.clear()
+    done, _ = in_thread(lambda: router.cancel_soon("r", "client went away", "adm1"))
+    done.join(1.0)
+    assert not done.is_alive()
+    assert ray_api.coordinator.entered.wait(5) and ray_api.coordinator.cancelled == []
+    ray_api.coordinator.hold.set()
+    wait_until(lambda: ray_api.coordinator.cancelled == [("r", "client went away", "adm1")], 10, "the cancel")
+
+
+def test_a_drain_whose_answer_was_lost_is_answered_again(ray_api, router):
+    """A drain that ran on the engine and then failed on the way back (a transient Ray error): the
+    engine still answers, so the reader drains again and gets the same events, once each."""
+    inbox, _ = router.submit(spec("r"))
+    engine = ray_api.engines["E"]
+    engine.lose_answers(2)
+    for seq in range(3):
+        engine.put(Event("r", seq, tokens=(seq,), admission=inbox.admission))
+    got = [inbox.get(timeout=10) for _ in range(3)]
+    assert [ev.tokens for ev in got] == [(0,), (1,), (2,)]
+    assert inbox.get(timeout=0.3) is None  # no repeats
+    assert ray_api.coordinator.checked == ["E", "E"] and ray_api.coordinator.cancelled == []
+
+
+def test_an_engine_that_stays_unreachable_fails_its_requests_and_cancels_them(ray_api, router, monkeypatch):
+    """Not known dead, so it may still run the requests: after ENGINE_LOST_S of failed drains they
+    fail here (UNAVAILABLE) and are cancelled there, each for its own admission."""
+    monkeypatch.setattr(router_module, "ENGINE_LOST_S", 0.5)
+    monkeypatch.setattr(router_module, "READ_RETRY_S", 0.1)
+    inbox, _ = router.submit(spec("r"))
+    ray_api.coordinator.verdict = ENGINE_UNREACHABLE
+    ray_api.engines["E"].lose_answers(10**6)
+    failed = inbox.get(timeout=10)
+    assert failed.error == (UNAVAILABLE, "engine E unreachable")
+    assert len(ray_api.coordinator.checked) >= 2  # asked again while within ENGINE_LOST_S
+    wait_until(lambda: ray_api.coordinator.cancelled == [("r", "engine E unreachable", inbox.admission)], 10,
+               "the cancel")

@@ -96,7 +96,7 @@ def generate(engine: Engine, rid: str, prompt: list[int]) -> list[int]:
     tokens: list[int] = []
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        for ev in engine.outbox.drain(rid, timeout=1.0):
+        for ev in engine.outbox.drain(rid, timeout=1.0)[1]:
             assert ev.error is None, ev.error
             tokens.extend(ev.tokens)
             if ev.last:

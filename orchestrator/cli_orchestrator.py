@@ -53,13 +53,16 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-streams", type=count_argument(1), default=240,  # FrontLimits' default (a test keeps them one)
                    help="open Generate streams this front serves at once (each holds a server thread); more are "
                         "refused with RESOURCE_EXHAUSTED")
+    p.add_argument("--max-prompt-tokens", type=count_argument(1), default=32768,  # FrontLimits' default
+                   help="longest prompt, in tokens, this front takes (a text prompt: at most 16 characters per "
+                        "token); longer ones are refused with INVALID_ARGUMENT before they are tokenised")
 
 
 def limits_from(args: argparse.Namespace):
     from orchestrator.generation import FrontLimits
 
     try:
-        return FrontLimits(args.default_max_new_tokens, args.max_new_tokens, args.max_streams)
+        return FrontLimits(args.default_max_new_tokens, args.max_new_tokens, args.max_streams, args.max_prompt_tokens)
     except ValueError as exc:
         raise SystemExit(f"--default-max-new-tokens: {exc}") from None
 

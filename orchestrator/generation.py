@@ -39,6 +39,7 @@ log = logging.getLogger("treeserve.orchestrator.generation")
 MAX_REQUEST_ID_BYTES = 96  # the verifier's sequence id adds "#<admission>.<epoch>" (8 + 2 + digits) and allows 128
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
+PROMPT_CHARS_PER_TOKEN = 16  # a text prompt longer than this many characters per allowed token is refused untokenised
 STOP_WAIT_S = 5.0  # longest wait, after a stop string, for the engine to end the request
 UNARY_WORKERS = 16  # server workers beyond max_streams: Cancel, health and reflection never queue behind streams
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -59,10 +60,16 @@ class FrontLimits:
     default_max_new_tokens: int = 256
     max_new_tokens: int = 4096
     max_streams: int = 240  # open Generate streams; more are refused with RESOURCE_EXHAUSTED
+    # Longer prompts are refused here, before they are tokenised and sent through Ray (a replica
+    # refuses what does not fit its max_sequence_length later, at no cost to the front); a text
+    # prompt may have PROMPT_CHARS_PER_TOKEN characters per token at most
+    max_prompt_tokens: int = 32768
 
     def __post_init__(self):
         if self.max_streams < 1:
             raise ValueError(f"max_streams must be at least 1, got {self.max_streams}")
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be at least 1, got {self.max_prompt_tokens}")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens:
             # else every request that names no max_new_tokens would be refused
             raise ValueError(f"default_max_new_tokens ({self.default_max_new_tokens}) must be in [1, max_new_tokens "
@@ -213,6 +220,10 @@ class GenerationServicer(pbg.GenerationServicer):
                 raise InvalidArgument("prompt text is empty")
             if self._tok is None:
                 raise InvalidArgument("this server has no tokenizer: send the prompt as token ids")
+            most = PROMPT_CHARS_PER_TOKEN * self._limits.max_prompt_tokens
+            if len(request.text) > most:
+                raise InvalidArgument(f"prompt text is longer than {most} characters ({PROMPT_CHARS_PER_TOKEN} per "
+                                      f"token of the {self._limits.max_prompt_tokens} this server takes)")
             prompt = tuple(int(t) for t in self._tok(request.text)["input_ids"])
             if not prompt:
                 raise InvalidArgument("prompt text encodes to no tokens")
@@ -220,6 +231,9 @@ class GenerationServicer(pbg.GenerationServicer):
             prompt = tuple(request.tokens.ids)
             if not prompt:
                 raise InvalidArgument("prompt token list is empty")
+        if len(prompt) > self._limits.max_prompt_tokens:
+            raise InvalidArgument(f"the prompt has {len(prompt)} tokens; this server takes at most "
+                                  f"{self._limits.max_prompt_tokens}")
         s = request.sampling
         for name in ("temperature", "top_p"):
             if not math.isfinite(getattr(s, name)):

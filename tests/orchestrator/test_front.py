@@ -302,3 +302,43 @@ def test_the_request_helper_takes_one_stop_string_and_refuses_bytes():
     assert list(request("hi", stop=["a", "b"]).stop) == ["a", "b"]
     with pytest.raises(TypeError, match="not bytes"):
         request(b"abc")
+
+
+class CountingTokenizer:
+    """One token per character; counts the texts it was given."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, text):
+        self.calls += 1
+        return {"input_ids": [ord(c) % 200 for c in text]}
+
+    def decode(self, ids, **kw):
+        return "".join(chr(i) for i in ids)
+
+
+def test_a_prompt_longer_than_the_front_takes_is_refused_before_it_goes_anywhere():
+    """Over max_prompt_tokens (as ids, or once tokenised), or a text over PROMPT_CHARS_PER_TOKEN
+    characters per such token (not even tokenised): INVALID_ARGUMENT, and nothing is submitted."""
+    from orchestrator.generation import PROMPT_CHARS_PER_TOKEN
+
+    router, tokenizer = StandInRouter(), CountingTokenizer()
+    server = Server("127.0.0.1:0")
+    server.add(pbg.add_GenerationServicer_to_server,
+               GenerationServicer(router, tokenizer, limits=FrontLimits(max_prompt_tokens=4), poll_s=0.05),
+               "Generation").start()
+    client = GenerationClient(f"127.0.0.1:{server.port}")
+    try:
+        for prompt in ([1, 2, 3, 4, 5], "abcde", "x" * (4 * PROMPT_CHARS_PER_TOKEN + 1)):
+            with pytest.raises(grpc.RpcError) as refused:
+                client.generate(request(prompt, max_new_tokens=2), timeout=30)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+        assert tokenizer.calls == 1 and router.inboxes == {} and router.admissions == {}
+        stream = client.stream(request([1, 2, 3, 4], max_new_tokens=2, request_id="fits"), timeout=30)
+        threading.Thread(target=_consume, args=(stream,), daemon=True).start()
+        wait_until(lambda: "fits" in router.admissions, 15, "the request that fits")
+        stream.cancel()
+    finally:
+        client.close()
+        server.stop(grace=0)

@@ -99,8 +99,10 @@ def test_the_fronts_limits_are_options_of_serve_as_of_orchestrator():
     largest allowed (every request naming none would be refused) is a clear exit."""
     from orchestrator.cli_orchestrator import limits_from
 
-    limits = limits_from(parse("--max-streams", "8", "--max-new-tokens", "100", "--default-max-new-tokens", "50"))
-    assert (limits.max_streams, limits.max_new_tokens, limits.default_max_new_tokens) == (8, 100, 50)
+    limits = limits_from(parse("--max-streams", "8", "--max-new-tokens", "100", "--default-max-new-tokens", "50",
+                               "--max-prompt-tokens", "1000"))
+    assert (limits.max_streams, limits.max_new_tokens, limits.default_max_new_tokens, limits.max_prompt_tokens) == \
+        (8, 100, 50, 1000)
     with pytest.raises(SystemExit, match="default_max_new_tokens"):
         limits_from(parse("--max-new-tokens", "100"))  # the default default, 256, is above it
     with pytest.raises(SystemExit):

@@ -21,6 +21,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 REPLACEMENT = "\ufffd"
+# A UTF-8 character is at most 4 bytes, so at most 4 byte tokens: text that still ends in U+FFFD
+# after this many new ids holds bytes that make no character, and goes out as it is (waiting on
+# would decode an ever longer window, and send nothing until the end)
+MAX_PENDING_IDS = 8
 
 
 class Detokenizer:
@@ -34,6 +38,7 @@ class Detokenizer:
         self._ids: list[int] = list(context[-4:])
         self._prefix = 0
         self._read = len(self._ids)
+        self._in_context = True  # the window still starts in the prompt (nothing emitted yet)
         self.text = ""  # everything emitted so far
 
     def _decode(self, ids: Sequence[int]) -> str:
@@ -42,21 +47,32 @@ class Detokenizer:
     def push(self, ids: Sequence[int]) -> str:
         """Add ids; returns the new complete text (possibly empty)."""
         self._ids.extend(int(t) for t in ids)
-        before = self._decode(self._ids[self._prefix:self._read])
-        after = self._decode(self._ids[self._prefix:])
-        if len(after) <= len(before) or after.endswith(REPLACEMENT):
+        start, after = self._window()
+        waiting = after.endswith(REPLACEMENT) and len(self._ids) - self._read <= MAX_PENDING_IDS
+        if len(after) <= start or waiting:
             return ""
-        delta = after[len(before):]
-        self._prefix, self._read = self._read, len(self._ids)
-        self.text += delta
-        return delta
+        return self._emit(after[start:])
 
     def flush(self) -> str:
         """At the end: whatever is still pending, undecodable bytes as U+FFFD."""
+        start, after = self._window()
+        return self._emit(after[start:])
+
+    def _window(self) -> tuple[int, str]:
+        """The window's text with the ids not emitted yet, and where their text starts in it. A
+        prompt (token ids) may end inside a character: when the first generated ids complete it
+        (its U+FFFD in the window's text turned into the character), the character is theirs."""
         before = self._decode(self._ids[self._prefix:self._read])
         after = self._decode(self._ids[self._prefix:])
-        delta = after[len(before):] if len(after) > len(before) else ""
-        self._prefix = self._read = len(self._ids)
+        if self._in_context:
+            whole = before.rstrip(REPLACEMENT)
+            if after[len(whole):len(before)] != before[len(whole):]:
+                return len(whole), after
+        return len(before), after
+
+    def _emit(self, delta: str) -> str:
+        self._prefix, self._read = self._read, len(self._ids)
+        self._in_context = False
         self.text += delta
         return delta
 

@@ -128,3 +128,29 @@ def test_output_stream_without_tokenizer_passes_ids():
     assert s.push([1, 2]).token_ids == [1, 2]
     with pytest.raises(ValueError):
         OutputStream(None, ["x"])
+
+
+@pytest.mark.parametrize("char", ["é", "世", "🙂"])
+def test_a_prompt_that_ends_inside_a_character_loses_no_text(tok, char):
+    """Token ids of "ab" and the first byte(s) of `char` as the prompt (a client continuing from an
+    output cut at its length): the generated ids that complete the character send it."""
+    ids = tok("ab" + char + "xy", add_special_tokens=False)["input_ids"]
+    cut = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith(REPLACEMENT))
+    d = Detokenizer(tok, context=ids[:cut])
+    pieces = [d.push([t]) for t in ids[cut:]] + [d.flush()]
+    assert "".join(pieces) == char + "xy"
+
+
+def test_bytes_that_make_no_character_go_out_instead_of_waiting_for_ever(tok):
+    """A run of continuation bytes never decodes: after MAX_PENDING_IDS ids it goes out as U+FFFD
+    rather than keeping every later token back (and decoding an ever longer window)."""
+    from orchestrator.output import MAX_PENDING_IDS
+
+    lone = tok("🙂", add_special_tokens=False)["input_ids"][-1]  # a continuation byte on its own
+    assert tok.decode([lone]) == REPLACEMENT
+    d = Detokenizer(tok)
+    pieces = [d.push([lone]) for _ in range(3 * MAX_PENDING_IDS)]
+    assert "".join(pieces[:MAX_PENDING_IDS]) == ""
+    assert any(pieces[MAX_PENDING_IDS:2 * MAX_PENDING_IDS])  # out, not kept for the flush
+    a = tok("a", add_special_tokens=False)["input_ids"]
+    assert (d.push(a) + d.flush()).strip(REPLACEMENT) == "a"  # what was pending goes out with it

@@ -8,7 +8,7 @@ from drafter_service.limits import IDLE_TIMEOUT_S, MODEL_MAX_LEN, NGRAM_MAX_LEN
 from treeserve import cores
 from treeserve.errors import ServeError
 from treeserve.h2grpc import server as direct_port
-from treeserve.server import add_grace_argument, count_argument, number_argument
+from treeserve.server import add_grace_argument, count_argument, number_argument, token_argument
 from treeserve.tree import MAX_DRAFT_SUPPORT
 
 log = logging.getLogger("treeserve.drafter")
@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "start-up; --no-cuda-graphs runs it eagerly)")
     direct_port.add_arguments(p, "the Speculate stream")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
-    p.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' on every call")
+    p.add_argument("--auth-token", type=token_argument, default=None, help="require 'authorization: Bearer TOKEN' on every call")
     cores.add_argument(p)
     add_grace_argument(p)
 

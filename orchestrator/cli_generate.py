@@ -9,6 +9,7 @@ import sys
 import grpc
 
 from orchestrator.client import MODES, SHAPES, GenerationClient, request
+from treeserve.server import token_argument
 from treeserve.v1 import treeserve_pb2 as pb
 
 AUTH_TOKEN_ENV = "TREESERVE_AUTH_TOKEN"
@@ -36,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adaptive", action="store_true", help="adaptive budget with an explicit --speculation mode")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     # a client's only: the servers started beside it (`serve`'s children) must not pick it up
-    p.add_argument("--auth-token", default=os.environ.get(AUTH_TOKEN_ENV) or None, metavar="TOKEN",
+    p.add_argument("--auth-token", type=token_argument, default=os.environ.get(AUTH_TOKEN_ENV) or None, metavar="TOKEN",
                    help=f"send 'authorization: Bearer TOKEN' (default: ${AUTH_TOKEN_ENV}; a flag shows in `ps`)")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
 

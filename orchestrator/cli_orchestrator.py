@@ -13,7 +13,7 @@ import json
 import sys
 
 from orchestrator.names import COORDINATOR, DEFAULT_NAMESPACE
-from treeserve.server import add_grace_argument, count_argument
+from treeserve.server import add_grace_argument, count_argument, token_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,8 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="port of the Generation service (0: pick a free one)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="target model directory with its tokenizer (needed for text prompts and text output)")
-    p.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' from clients")
-    p.add_argument("--service-token", default=None, help="bearer token for calls to the verifier and drafter")
+    p.add_argument("--auth-token", type=token_argument, default=None, help="require 'authorization: Bearer TOKEN' from clients")
+    p.add_argument("--service-token", type=token_argument, default=None, help="bearer token for calls to the verifier and drafter")
     p.add_argument("--draft-timeout-ms", type=float, default=1000.0,
                    help="longest wait for a drafted tree before a step decodes plainly")
     p.add_argument("--replica-timeout-s", type=float, default=60.0,

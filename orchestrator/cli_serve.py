@@ -17,7 +17,7 @@ from orchestrator.cli_orchestrator import add_limit_arguments, limits_from
 from orchestrator.procs import Child, PortTaken, free_port, stop_all
 from orchestrator.runtime import Orchestrator, OrchestratorConfig
 from treeserve import cores
-from treeserve.server import add_grace_argument
+from treeserve.server import add_grace_argument, token_argument
 
 log = logging.getLogger("treeserve.serve")
 
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="port of the Generation service (0: pick a free one)")
     p.add_argument("--verifier-replicas", type=int, default=1, help="verifier processes (one per GPU when several)")
     p.add_argument("--max-sequences", type=int, default=None, help="sequences per verifier replica")
-    p.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' from clients")
+    p.add_argument("--auth-token", type=token_argument, default=None, help="require 'authorization: Bearer TOKEN' from clients")
     p.add_argument("--draft-timeout-ms", type=float, default=1000.0)
     add_limit_arguments(p)  # the Generation front's
     p.add_argument("--log-dir", default=None, help="where the child services write their logs (default: temp files)")

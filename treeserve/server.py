@@ -340,6 +340,17 @@ def count_argument(low: int, high: float = math.inf) -> Callable[[str], int]:
     return parse
 
 
+def token_argument(text: str) -> str:
+    """An argparse type: a bearer token. An empty one would turn authentication off without a word
+    (an unset variable in `--auth-token "$TOKEN"`), and one outside visible ASCII cannot travel in
+    a header: both are refused when the command line is read."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty (leave the option out to serve without a token)")
+    if not all("!" <= c <= "~" for c in text):
+        raise argparse.ArgumentTypeError("must be visible ASCII characters, without spaces")
+    return text
+
+
 def number_argument(unit: str, high: float = math.inf) -> Callable[[str], float]:
     """An argparse type: a number of `unit` in [0, high]; text, NaN and values outside are refused
     with a message naming the unit."""

@@ -8,7 +8,7 @@ import pathlib
 from treeserve import cores
 from treeserve.h2grpc import server as direct_port
 from treeserve.h2grpc.server import POLL_SECONDS
-from treeserve.server import GRACE_SECONDS, add_grace_argument, number_argument
+from treeserve.server import GRACE_SECONDS, add_grace_argument, number_argument, token_argument
 from verifier_service.limits import MAX_BATCH_WINDOW_MS, Limits
 
 log = logging.getLogger("treeserve.verifier")
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="release sequences idle this long (0: never)")
     direct_port.add_arguments(p, "Verify and VerifyStream")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
-    p.add_argument("--auth-token", default=None, help="require 'authorization: Bearer TOKEN' on every call")
+    p.add_argument("--auth-token", type=token_argument, default=None, help="require 'authorization: Bearer TOKEN' on every call")
     p.add_argument("--cuda-graphs", choices=GRAPH_MODES, default="lazy",
                    help="lazy: capture each shape bucket on first use; startup: capture every bucket before "
                         "serving; off: eager forwards")

@@ -178,6 +178,28 @@ def test_count_argument_takes_whole_numbers_from_its_bound():
             parse(bad)
 
 
+@pytest.mark.parametrize("module, options", [
+    ("verifier_service.cli", ["--model", "m", "--auth-token"]),
+    ("drafter_service.cli", ["--ngram", "--auth-token"]),
+    ("orchestrator.cli_orchestrator", ["--verifier", "v:1", "--auth-token"]),
+    ("orchestrator.cli_orchestrator", ["--verifier", "v:1", "--service-token"]),
+    ("orchestrator.cli_serve", ["--auth-token"]),
+    ("orchestrator.cli_generate", ["hi", "--auth-token"]),
+])
+def test_every_token_option_refuses_an_empty_or_unsendable_token(module, options, capsys):
+    """An empty token (an unset variable in `--auth-token "$TOKEN"`) would turn authentication off
+    without a word; one with a space or a newline cannot travel in a header."""
+    import importlib
+
+    p = argparse.ArgumentParser()
+    importlib.import_module(module).add_arguments(p)
+    assert p.parse_args([*options, "s3cret-token_1"]) is not None
+    for bad in ("", "two words", "line\nbreak", "caf\u00e9"):
+        with pytest.raises(SystemExit):
+            p.parse_args([*options, bad])
+        assert "--" in capsys.readouterr().err
+
+
 def test_a_request_that_does_not_parse_is_invalid_argument_for_every_method():
     """Bytes that are no message of the method's request type (here a sequence id that is not
     UTF-8) are the client's error: INVALID_ARGUMENT for the raw methods (the servicer parses them)

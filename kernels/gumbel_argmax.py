@@ -2,12 +2,14 @@
 
 The token of row t is
 
-    argmax_v  z[t, v] + g(key, positions[t], v),   z = scale · logits[t]  where z >= floor[t], else -inf
+    argmax_v  z[t, v] + g(key, positions[t], v),   z = scale · (logits[t] - shift[t])  where z >= floor[t], else -inf
 
 with g = -log(-log(u)) of the counter-based uniform u (`kernels.counter_noise`, float64, rounded to
 float32 before the sum). z is a row's log-probabilities up to a constant, so the token follows the
-row's softmax exactly; `floor` is how top-k enters (the k-th largest z). Ties go to the lowest
-index, as torch.argmax's do.
+row's softmax exactly; `floor` is how top-k enters (the k-th largest z). `shift` (the row's largest
+logit) keeps z near 0 at the top of the row whatever the temperature: at temperature 1e-5 a logit
+of 10 scales to 1e6, where float32's spacing (1/16) rounds the noise away and near ties went to
+the lower index. Ties go to the lowest index, as torch.argmax's do.
 
 `gumbel_argmax_ref` is the PyTorch twin: it builds the (T, V) noise and scores. The kernel reads the
 logits once: a row's vocabulary is split over programs (the hash and two logarithms per token make
@@ -24,15 +26,17 @@ import triton.language as tl
 from kernels.counter_noise import stream_mix, uniform
 
 
-def _check(logits: torch.Tensor, floor: torch.Tensor | None, positions: torch.Tensor) -> None:
+def _check(logits: torch.Tensor, floor: torch.Tensor | None, positions: torch.Tensor,
+           shift: torch.Tensor | None = None) -> None:
     if logits.dim() != 2:
         raise ValueError(f"gumbel_argmax: logits must be (T, V), got {tuple(logits.shape)}")
     rows = logits.shape[0]
     if positions.shape != (rows,) or positions.device != logits.device:
         raise ValueError(f"gumbel_argmax: positions must be ({rows},) on {logits.device}, "
                          f"got {tuple(positions.shape)} on {positions.device}")
-    if floor is not None and floor.shape != (rows,):
-        raise ValueError(f"gumbel_argmax: floor must be ({rows},), got {tuple(floor.shape)}")
+    for name, per_row in (("floor", floor), ("shift", shift)):
+        if per_row is not None and per_row.shape != (rows,):
+            raise ValueError(f"gumbel_argmax: {name} must be ({rows},), got {tuple(per_row.shape)}")
 
 
 def gumbel_noise_ref(key: int, positions: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -45,27 +49,32 @@ def gumbel_noise_ref(key: int, positions: torch.Tensor, vocab: int) -> torch.Ten
 
 
 def gumbel_argmax_ref(logits: torch.Tensor, scale: float, floor: torch.Tensor | None, key: int,
-                      positions: torch.Tensor) -> torch.Tensor:
-    """logits (T, V) any float dtype; scale: the factor z = scale · logits (1 / temperature);
+                      positions: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+    """logits (T, V) any float dtype; scale: the factor z = scale · (logits - shift) (1 / temperature);
     floor (T,) float32 or None: z below it is excluded; key: `treeserve.sampling.stream_key`;
-    positions (T,) int64 -> (T,) int64 tokens."""
-    _check(logits, floor, positions)
-    z = logits.float() * torch.tensor(scale, dtype=torch.float32)
+    positions (T,) int64; shift (T,) float32 or None (0) -> (T,) int64 tokens."""
+    _check(logits, floor, positions, shift)
+    z = logits.float()
+    if shift is not None:
+        z = z - shift.float()[:, None]
+    z = z * torch.tensor(scale, dtype=torch.float32)
     if floor is not None:
         z = z.masked_fill(z < floor.float()[:, None], float("-inf"))
     return (z + gumbel_noise_ref(key, positions, logits.shape[1]).float()).argmax(-1)
 
 
 # Not specialised on: the key, which varies per call (a key of 1 would become a constant), and the
-# per-row positions and floors, read once a row: positions are often views at any offset into a
-# packed buffer, whose alignment would pick one program or another per call (a missing floor
-# passes the positions in its place). The logits are specialised: they are the hot read.
-@triton.jit(do_not_specialize=["key", "floor_ptr", "pos_ptr"])
-def _gumbel_max_kernel(x_ptr, stride_row, floor_ptr, pos_ptr, best_ptr, at_ptr, scale, key, V, CHUNK,
-                       HAS_FLOOR: tl.constexpr, LOG_F64: tl.constexpr, BLOCK: tl.constexpr):
+# per-row positions, floors and shifts, read once a row: positions are often views at any offset
+# into a packed buffer, whose alignment would pick one program or another per call (a missing
+# floor or shift passes the positions in its place). The logits are specialised: the hot read.
+@triton.jit(do_not_specialize=["key", "floor_ptr", "shift_ptr", "pos_ptr"])
+def _gumbel_max_kernel(x_ptr, stride_row, floor_ptr, shift_ptr, pos_ptr, best_ptr, at_ptr, scale, key, V, CHUNK,
+                       HAS_FLOOR: tl.constexpr, HAS_SHIFT: tl.constexpr, LOG_F64: tl.constexpr,
+                       BLOCK: tl.constexpr):
     """Program (row, split): the best (score, index) of the row's columns [split·CHUNK, +CHUNK).
     LOG_F64: x holds float64 probabilities and the score is log x + g in float64; otherwise
-    x holds logits and the score is scale·x + g in float32, excluded below the row's floor."""
+    x holds logits and the score is scale·(x - shift) + g in float32, excluded below the row's
+    floor."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -75,6 +84,8 @@ def _gumbel_max_kernel(x_ptr, stride_row, floor_ptr, pos_ptr, best_ptr, at_ptr, 
         floor = tl.load(floor_ptr + row).to(tl.float32)
     else:
         floor = float("-inf")
+    if HAS_SHIFT:
+        shift = tl.load(shift_ptr + row).to(tl.float32)
     lanes = tl.arange(0, BLOCK)
     if LOG_F64:
         best = tl.full([BLOCK], float("-inf"), tl.float64)
@@ -91,7 +102,10 @@ def _gumbel_max_kernel(x_ptr, stride_row, floor_ptr, pos_ptr, best_ptr, at_ptr, 
         if LOG_F64:
             s = tl.where(live, tl.log(x) + g, float("-inf"))
         else:
-            z = x.to(tl.float32) * scale
+            if HAS_SHIFT:
+                z = (x.to(tl.float32) - shift) * scale
+            else:
+                z = x.to(tl.float32) * scale
             s = tl.where(live & (z >= floor), z + g.to(tl.float32), float("-inf"))
         # strictly greater: a lane sees its indices in increasing order, so it keeps the first
         better = s > best
@@ -111,7 +125,7 @@ def _splits(rows: int, vocab: int, device: torch.device) -> int:
 
 
 def gumbel_max(x: torch.Tensor, scale: float, floor: torch.Tensor | None, key: int, positions: torch.Tensor,
-               log_f64: bool, splits: int | None = None) -> torch.Tensor:
+               log_f64: bool, splits: int | None = None, shift: torch.Tensor | None = None) -> torch.Tensor:
     """(T,) int64: each row's Gumbel-max index, the vocabulary split over programs (`splits`, or
     `_splits`' choice); the best of the splits is the first maximum (lowest index on ties, as
     within a split)."""
@@ -127,10 +141,12 @@ def gumbel_max(x: torch.Tensor, scale: float, floor: torch.Tensor | None, key: i
     at = torch.empty((rows, splits), dtype=torch.int64, device=x.device)
     positions = positions.long().contiguous()
     floor_arg = floor.float().contiguous() if floor is not None else positions
-    _gumbel_max_kernel[(rows, splits)](x, x.stride(0), floor_arg, positions, best, at, float(scale), int(key), vocab,
-                                       chunk, HAS_FLOOR=floor is not None, LOG_F64=log_f64,
+    shift_arg = shift.float().contiguous() if shift is not None else positions
+    _gumbel_max_kernel[(rows, splits)](x, x.stride(0), floor_arg, shift_arg, positions, best, at, float(scale),
+                                       int(key), vocab, chunk, HAS_FLOOR=floor is not None,
+                                       HAS_SHIFT=shift is not None, LOG_F64=log_f64,
                                        BLOCK=min(1024, triton.next_power_of_2(vocab)), num_warps=4,
-                                       # scale·x + g rounded twice, as the twin rounds it: no fused multiply-add
+                                       # scale·x + g rounded as the twin rounds it: no fused multiply-add
                                        enable_fp_fusion=False)
     if splits == 1:
         return at[:, 0]
@@ -138,7 +154,7 @@ def gumbel_max(x: torch.Tensor, scale: float, floor: torch.Tensor | None, key: i
 
 
 def gumbel_argmax(logits: torch.Tensor, scale: float, floor: torch.Tensor | None, key: int,
-                  positions: torch.Tensor) -> torch.Tensor:
+                  positions: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of `gumbel_argmax_ref` (same arguments)."""
-    _check(logits, floor, positions)
-    return gumbel_max(logits, scale, floor, key, positions, log_f64=False)
+    _check(logits, floor, positions, shift)
+    return gumbel_max(logits, scale, floor, key, positions, log_f64=False, shift=shift)

@@ -35,6 +35,9 @@ GOLDEN = _signed(0x9E3779B97F4A7C15)
 # Temperatures below this are greedy: logits scaled by 1 / temperature would overflow float32 (at
 # 1e-36 a logit of 400 already does) and turn the distribution into NaNs; the limit is the argmax.
 MIN_TEMPERATURE = 1e-5
+# Above this every distribution is uniform to float32 precision anyway; an infinite one (1 / T = 0)
+# would drop top-k and turn -inf logits into NaN
+MAX_TEMPERATURE = 1e4
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,8 @@ class Sampling:
         return Truncations(top_k=self.top_k > 0, top_p=0.0 < self.top_p < 1.0)
 
     def validate(self) -> "Sampling":
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 <= self.top_p <= 1.0:
@@ -112,9 +115,12 @@ Scalar = float | int | torch.Tensor  # a Python number, or a 0-d float32 tensor 
 
 
 def _scaled(logits: torch.Tensor, scale: Scalar) -> torch.Tensor:
-    """float32 logits times float32 `scale`: a Python float meets a float32 tensor as a float32
-    value, so a number and a tensor holding its float32 rounding give the same bits."""
-    return logits.float() * scale
+    """float32 logits less each row's largest, times float32 `scale`: a Python float meets a
+    float32 tensor as a float32 value, so a number and a tensor holding its float32 rounding give
+    the same bits. The shift keeps the top of the row near 0 at any temperature (at 1e-5 a logit
+    of 10 would scale to 1e6, where float32 resolves no finer than 1/16)."""
+    z = logits.float()
+    return (z - z.amax(-1, keepdim=True)) * scale
 
 
 def _truncated(logits: torch.Tensor, scale: Scalar, top_k: Scalar, top_p: Scalar,
@@ -143,9 +149,9 @@ def _truncated(logits: torch.Tensor, scale: Scalar, top_k: Scalar, top_p: Scalar
 
 
 def scaled_logits(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """float32 logits times float32(1 / temperature), the product `kernels.gumbel_argmax` forms and
-    `transform` starts from: the log-probabilities of the sampled distribution up to a constant per
-    row."""
+    """float32 (logits - row max) times float32(1 / temperature), what `kernels.gumbel_argmax` forms
+    (given the row max as its shift) and `transform` starts from: the log-probabilities of the
+    sampled distribution up to a constant per row, 0 at the row's top."""
     return _scaled(logits, 1.0 / s.temperature)
 
 
@@ -159,10 +165,20 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _mix_int(v: int) -> int:
+    """`_mix` on one Python int (mod 2**64): a bijection of 64-bit values."""
+    v &= _MASK64
+    v = ((v ^ (v >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    v = ((v ^ (v >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return v ^ (v >> 31)
+
+
 def stream_key(seed: int, stream: int) -> int:
     """The int64 key of one (seed, stream) pair: what `uniforms_keyed` takes, so that a caller
-    can keep it in a device tensor (a CUDA graph then draws with any seed without a new capture)."""
-    return _signed(seed * 4 + stream)
+    can keep it in a device tensor (a CUDA graph then draws with any seed without a new capture).
+    The seed is mixed before the stream is added: with `seed * 4 + stream`, seeds 2**62 apart
+    shared every stream."""
+    return _signed(_mix_int(_mix_int(seed) + stream))
 
 
 def _hash(key: torch.Tensor | int, positions: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

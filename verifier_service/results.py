@@ -80,7 +80,7 @@ def choose(logits: torch.Tensor, s: Sampling, positions: torch.Tensor, probs: to
     if 0 < s.top_k < logits.shape[-1]:
         z = sampling.scaled_logits(logits, s)
         return ops.gumbel_argmax(z, 1.0, torch.topk(z, s.top_k, dim=-1).values[..., -1], key, positions)
-    return ops.gumbel_argmax(logits, 1.0 / s.temperature, None, key, positions)
+    return ops.gumbel_argmax(logits, 1.0 / s.temperature, None, key, positions, shift=logits.amax(-1).float())
 
 
 @dataclass(frozen=True)

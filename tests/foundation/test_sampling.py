@@ -96,9 +96,22 @@ def test_a_temperature_too_small_to_scale_by_is_greedy(temperature):
 
 
 def test_validation():
-    for bad in (Sampling(temperature=-1), Sampling(top_k=-2), Sampling(top_p=1.5)):
+    for bad in (Sampling(temperature=-1), Sampling(top_k=-2), Sampling(top_p=1.5),
+                Sampling(temperature=math.inf), Sampling(temperature=1e46), Sampling(temperature=math.nan)):
         with pytest.raises(ValueError):
             bad.validate()
+    assert Sampling(temperature=sampling.MAX_TEMPERATURE).validate()
+
+
+def test_seeds_far_apart_do_not_share_a_stream():
+    """With `seed * 4 + stream` as the key, seeds 2**62 apart drew the same numbers."""
+    pos = torch.arange(64)
+    for seed in (5, 2**40 + 3):
+        for far in (seed + 2**62, seed + 3 * 2**62):
+            assert sampling.stream_key(seed, 0) != sampling.stream_key(far, 0)
+            assert not torch.equal(sampling.uniforms(seed, pos, 0), sampling.uniforms(far, pos, 0))
+    keys = {sampling.stream_key(seed, stream) for seed in range(2000) for stream in range(4)}
+    assert len(keys) == 8000
 
 
 def test_uniforms_reproducible_and_uniform():

@@ -102,12 +102,41 @@ def test_gumbel_argmax_excludes_minus_infinity(device="cpu"):
     assert (want % 3 != 0).all()
 
 
+@pytest.mark.parametrize("scale", [1.0, 1.0 / 0.7, 1e5])
+def test_gumbel_argmax_with_a_shift_equals_its_twin(scale, device="cpu"):
+    """The row's largest logit as the shift (what sampling without top-k passes), also at a scale
+    of 1e5 (temperature 1e-5), with rows of near ties and a vocabulary split over programs."""
+    g = torch.Generator().manual_seed(11)
+    for rows, vocab, dtype in ((4, 37, torch.float32), (3, 9000, torch.bfloat16), (6, 300, torch.float16)):
+        logits = (torch.randn(rows, vocab, generator=g) * 3 + 10).to(dtype)
+        logits[:, 1] = logits[:, 0]  # an exact tie at the top of a row, as often as not
+        shift = logits.float().amax(-1)
+        positions = torch.randint(0, 1 << 30, (rows,), generator=g)
+        want = ga.gumbel_argmax_ref(logits, scale, None, 5, positions, shift=shift)
+        got = ga.gumbel_argmax(logits.to(device), scale, None, 5, positions.to(device), shift=shift.to(device))
+        assert torch.equal(got.cpu(), want)
+
+
+def test_a_near_greedy_sample_breaks_a_tie_evenly():
+    """Temperature 1e-5, logits [10, 10, -5]: half and half. Unshifted, z = 1e6 left float32 a
+    spacing of 1/16, the noise was rounded away and the lower index won 50.7% of 400k draws."""
+    from verifier_service.results import choose
+
+    rows = 200_000
+    logits = torch.tensor([10.0, 10.0, -5.0]).expand(rows, 3)
+    tokens = choose(logits, sampling.Sampling(temperature=1e-5, seed=3), torch.arange(rows))
+    first = (tokens == 0).double().mean().item()
+    assert (tokens < 2).all() and abs(first - 0.5) < 0.005  # 4.5 standard deviations
+
+
 def test_gumbel_argmax_refuses_mismatched_shapes():
     logits = torch.randn(3, 10)
     with pytest.raises(ValueError, match="positions"):
         ga.gumbel_argmax(logits, 1.0, None, 1, torch.arange(2))
     with pytest.raises(ValueError, match="floor"):
         ga.gumbel_argmax(logits, 1.0, torch.zeros(2), 1, torch.arange(3))
+    with pytest.raises(ValueError, match="shift"):
+        ga.gumbel_argmax(logits, 1.0, None, 1, torch.arange(3), shift=torch.zeros(4))
 
 
 # ---- node acceptance ---------------------------------------------------------------------------
@@ -219,7 +248,7 @@ def test_accept_nodes_rejects_when_u_times_q_equals_p(device="cpu"):
 
 def test_compiles_for_sm90():
     """The Gumbel-max and acceptance kernels, launched as above (fp32 and bf16 logits, with and
-    without a top-k floor, vocabularies past one block), compile for an H100 without register
+    without a top-k floor or a shift, vocabularies past one block), compile for an H100 without register
     spills (but one of 4 bytes); CI has no GPU, and these otherwise meet a compiler only in the GPU
     tests."""
     pytest.importorskip("triton.backends.nvidia.compiler")
@@ -229,11 +258,14 @@ def test_compiles_for_sm90():
         for rows, vocab, dtype, top_k in ((3, 300, torch.float32, 0), (2, 5000, torch.bfloat16, 20)):
             logits, floor, positions = gumbel_inputs(rows, vocab, dtype, 0.7, top_k, seed=0)
             ga.gumbel_argmax(logits, 0.7, floor, 123, positions)
+            ga.gumbel_argmax(logits, 0.7, None, 123, positions, shift=logits.float().amax(-1))
         rng = random.Random(3)
         for kind, n, vocab in (("random", 12, 300), ("chain", 4, 8200)):
             p, q, children, positions = acceptance_inputs(kind, n, vocab, rng, "cpu", "far")
             na.accept_nodes(p, q, children, 11, 12, positions)
 
-    # the top-k floor's variant spills 4 bytes (one register) at 1024-wide blocks: known and bounded
+    # the variants with a top-k floor or a shift spill 4 bytes (one register) at 1024-wide blocks:
+    # known and bounded
     assert_compiles_for_sm90([ga._gumbel_max_kernel, na._accept_nodes_kernel], run_all,
-                             spill_bytes=lambda spec: 4 if spec["constexprs"].get("HAS_FLOOR") else 0)
+                             spill_bytes=lambda spec: 4 if spec["constexprs"].get("HAS_FLOOR")
+                             or spec["constexprs"].get("HAS_SHIFT") else 0)

@@ -2,8 +2,9 @@
 
 Each live sequence owns one state slot of the model. Its committed length only moves through a
 commit of the tree it verified last, and every commit names the length it was planned at, so the
-rule below makes retries safe (see the .proto): reaching a length that is already reached is a
-no-op; any other mismatch is FAILED_PRECONDITION.
+rule below makes retries safe (see the .proto): the commit last applied, sent again, is a no-op;
+any other mismatch (a different commit to the length reached, a stale or future length) is
+FAILED_PRECONDITION.
 
 The table is used by whichever thread holds the model (one at a time); others may read `len()`.
 """
@@ -36,6 +37,7 @@ class Sequence:
     length: int
     last_used: float
     verified: VerifiedTree | None = None
+    last_commit: tuple[int, tuple[int, ...]] | None = None  # (length it was planned at, path): a retry matches it
 
 
 def plan_commit(seq: Sequence, committed_length: int, accepted_nodes: Seq[int]) -> list[int] | None:
@@ -48,7 +50,11 @@ def plan_commit(seq: Sequence, committed_length: int, accepted_nodes: Seq[int]) 
         raise InvalidArgument(f"sequence {seq.id!r}: accepted_nodes must start at the root (node 0), got {path}")
     target = committed_length + len(path)
     if target == seq.length:
-        return None
+        if seq.last_commit == (committed_length, tuple(path)):
+            return None  # this very commit, applied already: a retry
+        raise FailedPrecondition(
+            f"sequence {seq.id!r}: commit of {path} at length {committed_length} was not applied; the sequence "
+            f"reached length {seq.length} by {_described(seq.last_commit)}")
     if committed_length != seq.length:
         when = "stale" if committed_length < seq.length else "future"
         raise FailedPrecondition(
@@ -65,8 +71,15 @@ def plan_commit(seq: Sequence, committed_length: int, accepted_nodes: Seq[int]) 
 
 def applied(seq: Sequence, path: Seq[int]) -> None:
     """Record a commit the runtime has applied: the tree is consumed."""
+    seq.last_commit = (seq.length, tuple(int(n) for n in path))
     seq.length += len(path)
     seq.verified = None
+
+
+def _described(commit: tuple[int, tuple[int, ...]] | None) -> str:
+    if commit is None:
+        return "its prefill"
+    return f"the commit of {list(commit[1])} at length {commit[0]}"
 
 
 class SequenceTable:

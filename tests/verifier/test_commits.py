@@ -41,10 +41,11 @@ def test_explicit_commit_rules(client, reference, fresh_id):
         assert "stale" in _refused(lambda: client.commit(sid, L - 3, [0]), FP)
         assert client.commit(sid, L, [0, 1, 3]) == L + 3
         ref.commit([0, 1, 3])
-        # a retry (lost reply) is a no-op returning the current length; so is any commit whose
-        # target length is already reached
+        # a retry (lost reply) is a no-op returning the current length; another commit that would
+        # reach the same length was never applied, and says so
         assert client.commit(sid, L, [0, 1, 3]) == L + 3
-        assert client.commit(sid, L + 2, [0]) == L + 3
+        assert "was not applied" in _refused(lambda: client.commit(sid, L + 2, [0]), FP)
+        assert "was not applied" in _refused(lambda: client.commit(sid, L + 1, [0, 1]), FP)
         # the tree is consumed: nothing left to commit at the new length
         assert "no verified tree" in _refused(lambda: client.commit(sid, L + 3, [0]), FP)
         # and after all of that the state is exactly the runtime's

@@ -46,6 +46,14 @@ class SparseDist:
                 return p
         return self.unlisted_prob(vocab_size)
 
+    def normalised(self) -> "SparseDist":
+        """This distribution with its mass made exactly 1 (a wire one may be off by `_PROB_TOL`:
+        acceptance with an unnormalised q would follow it, off the target by as much)."""
+        total = sum(self.probs) + self.residual
+        if total == 1.0:
+            return self
+        return SparseDist(self.tokens, tuple(p / total for p in self.probs), self.residual / total)
+
     def unlisted_prob(self, vocab_size: int) -> float:
         """q of each token the distribution does not list."""
         unlisted = vocab_size - len(self.tokens)
@@ -289,4 +297,7 @@ def tree_from_proto(msg, vocab_size: int, max_nodes: int) -> TokenTree:
                                 f"tokens, more than {MAX_DRAFT_SUPPORT}")
         draft = tuple(dist_from_proto(d) for d in msg.draft)
     # repeated integer fields yield Python ints: nothing to convert
-    return TokenTree.of_ints(tuple(msg.tokens), tuple(msg.parents), draft).validate(vocab_size, max_nodes)
+    tree = TokenTree.of_ints(tuple(msg.tokens), tuple(msg.parents), draft).validate(vocab_size, max_nodes)
+    if draft is not None:  # validated within the tolerance; acceptance takes them exact (as `of_ints` sets fields)
+        object.__setattr__(tree, "draft", tuple(d.normalised() if d is not None else None for d in draft))
+    return tree

@@ -205,3 +205,14 @@ def test_residual_mass_gives_unlisted_probability():
     d = SparseDist((1,), (0.6,), 0.4)
     assert d.prob(1, 5) == pytest.approx(0.6)
     assert d.prob(3, 5) == pytest.approx(0.1)
+
+
+def test_a_wire_distribution_within_the_tolerance_is_taken_with_its_mass_made_one():
+    """0.6 + 0.4008 passes the wire's 1e-3 tolerance; acceptance then reads q as a distribution:
+    each probability over the total, so every consumer of the tree sees the same exact q."""
+    tree = TokenTree((1, 2), (-1, 0), (SparseDist((2, 3), (0.6, 0.3), 0.1008), None))
+    got = tree_from_proto(tree_to_proto(tree), VOCAB, 16).draft[0]
+    assert sum(got.probs) + got.residual == pytest.approx(1.0, abs=1e-12)
+    assert got.probs[0] / got.probs[1] == pytest.approx(2.0) and got.tokens == (2, 3)
+    exact = TokenTree((1, 2), (-1, 0), (SparseDist((2,), (1.0,)), None))
+    assert tree_from_proto(tree_to_proto(exact), VOCAB, 16).draft[0] == SparseDist((2,), (1.0,))

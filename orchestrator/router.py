@@ -35,6 +35,7 @@ _UNAVAILABLE = 14
 DRAIN_POLL_S = 1.0  # how long one `EngineActor.drain` call waits for events
 DRAIN_SLACK_S = 1.0  # and how much longer a reader waits for its answer before it checks for `stop`
 STOP_TIMEOUT_S = 5.0  # how long `Router.stop` waits for the threads in Ray to leave it
+SUBMIT_TIMEOUT_S = 60.0  # longest wait for the coordinator to route a request (it holds a stream meanwhile)
 ENGINE_LOST_S = 30.0  # how long a reader goes on asking an engine that answers nothing (or fails its drains)
 READ_RETRY_S = 1.0  # the pause before asking such an engine again
 
@@ -102,11 +103,13 @@ class Router:
             self._inboxes[spec.request_id] = inbox
         try:
             with self._calling_ray():
-                engine, error = ray.get(self.coordinator.submit.remote(spec))
+                engine, error = ray.get(self.coordinator.submit.remote(spec), timeout=SUBMIT_TIMEOUT_S)
         except _Stopped:
             error, engine = (_UNAVAILABLE, "this front is shutting down"), None
-        except Exception as exc:  # noqa: BLE001 - the coordinator itself is gone
+        except Exception as exc:  # noqa: BLE001 - the coordinator is gone, or does not answer
             error, engine = (_UNAVAILABLE, f"coordinator unavailable: {exc}"), None
+            # it may have admitted the request all the same: nobody would read it
+            self.cancel_soon(spec.request_id, "its submission failed", spec.admission)
         if error is not None:
             self.forget(inbox)
             return None, error

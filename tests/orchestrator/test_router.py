@@ -264,3 +264,21 @@ def test_an_engine_that_stays_unreachable_fails_its_requests_and_cancels_them(ra
     assert len(ray_api.coordinator.checked) >= 2  # asked again while within ENGINE_LOST_S
     wait_until(lambda: ray_api.coordinator.cancelled == [("r", "engine E unreachable", inbox.admission)], 10,
                "the cancel")
+
+
+def test_a_submission_the_coordinator_does_not_answer_in_time_is_refused_and_cancelled(ray_api, router, monkeypatch):
+    """The coordinator may have admitted it all the same: the front cancels it (for its admission)."""
+    monkeypatch.setattr(router_module, "SUBMIT_TIMEOUT_S", 0.2)
+
+    def slow_get(call, timeout=None):
+        if call.fn == ray_api.coordinator.submit.fn:
+            raise router_module.GetTimeoutError("no answer")
+        return call()
+
+    monkeypatch.setattr(ray_api, "get", slow_get)
+    request = spec("slow")
+    inbox, error = router.submit(request)
+    assert inbox is None and error[0] == UNAVAILABLE and "coordinator unavailable" in error[1]
+    wait_until(lambda: ray_api.coordinator.cancelled == [("slow", "its submission failed", request.admission)], 10,
+               "the cancel")
+    assert "slow" not in router._inboxes  # the id is not held here meanwhile

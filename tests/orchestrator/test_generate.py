@@ -108,8 +108,10 @@ def test_sampled_with_draft_distributions_uses_the_walk(client, prompt):
         res = client.generate(request(prompt, max_new_tokens=N, temperature=1.0, top_k=40, seed=7, speculation="tree",
                                       shape=shape), timeout=300)
         assert res.generated_tokens > 0 and res.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_EOS)
-        assert all(accepted >= 2 for nodes, accepted, _ in res.steps[1:-1] if nodes > 1), res.steps
-        assert res.mean_accepted > 1.8
+        # between the prefill and the last step (an EOS may end it at any token)
+        middle = [accepted for nodes, accepted, _ in res.steps[1:-1] if nodes > 1]
+        assert len(middle) >= 2 and all(accepted >= 2 for accepted in middle), res.steps
+        assert res.mean_accepted > 1.0
 
 
 def test_seed_zero_picks_a_seed(client, prompt):

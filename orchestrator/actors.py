@@ -5,9 +5,9 @@
   request -> replica map used by Cancel, and re-homing of requests whose replica went down.
 - `EngineActor` (one per verifier replica, created by the coordinator on `register`): hosts an
   `engine.Engine`, whose step loop runs in a thread inside the actor. Tokens leave through the
-  engine's outbox: each front long-polls `drain(front)` and gets every event produced since its
-  last call in one batch, so the Ray call rate follows the step rate, never the token rate, and
-  the step loop itself never waits on Ray.
+  engine's outbox: each front long-polls `drain(front, ack)` and gets every event it has not
+  acknowledged in one batch (at least once: a lost answer comes again), so the Ray call rate
+  follows the step rate, never the token rate, and the step loop itself never waits on Ray.
 
 Both actors are threaded (max_concurrency > 1): a long poll must not block submissions.
 

@@ -131,9 +131,9 @@ class Outbox:
     Delivery is at least once: a batch stays here until the front's next `drain` names it
     (`ack`), and a drain that does not is answered with it again, then what came since. A reply
     lost on the way (a Ray call that failed after the engine had run it) loses no event; the
-    front's inboxes drop the repeats. A front that stops draining for `silent_s` (it crashed or
-    was stopped) is dropped with its events (`drop_silent`); what is put for it later is dropped
-    too, until it drains again."""
+    front's inboxes drop the repeats. A front that neither drains nor submits for `silent_s` (it
+    crashed, or was stopped with requests here) is dropped with its events (`drop_silent`), and
+    the engine cancels its requests."""
 
     def __init__(self, silent_s: float = FRONT_SILENT_S, clock=time.monotonic):
         self.silent_s = silent_s
@@ -141,12 +141,16 @@ class Outbox:
         self._cv = threading.Condition()
         self._events: dict[str, list[Event]] = defaultdict(list)
         self._sent: dict[str, tuple[int, list[Event]]] = {}  # each front's last batch, until acknowledged
-        self._heard: dict[str, float] = {}  # when each front last drained (or had its first events)
+        self._heard: dict[str, float] = {}  # when each front last drained or submitted (or had its first events)
+
+    def touch(self, front: str) -> None:
+        """`front` is alive (it submitted a request): not silent from now, whatever its drains."""
+        with self._cv:
+            self._heard[front] = self._clock()
 
     def put(self, front: str, events: Iterable[Event]) -> None:
         with self._cv:
-            if self._silent(front, self._heard.setdefault(front, self._clock())):
-                return  # nobody would take them
+            self._heard.setdefault(front, self._clock())
             self._events[front].extend(events)
             self._cv.notify_all()
 
@@ -159,16 +163,20 @@ class Outbox:
             sent = self._sent.get(front)
             if sent is not None and (ack is None or sent[0] == ack):
                 del self._sent[front]
-                sent = None
-            if sent is None and not self._events.get(front):
-                self._cv.wait_for(lambda: bool(self._events.get(front)), timeout)
+            if front not in self._sent and not self._events.get(front):
+                # until events come, or another drain of this front takes some (this one carries them too)
+                self._cv.wait_for(lambda: bool(self._events.get(front)) or front in self._sent, timeout)
             self._heard[front] = self._clock()
+            # read again after the wait: another drain of this front (a retry of a call that
+            # seemed lost) may have taken a batch meanwhile, which this answer must carry too
+            sent = self._sent.get(front)
             new = self._events.pop(front, [])
             if sent is None and not new:
                 return ack or 0, []
             self._cv.notify_all()  # `wait_drained`
             events = (sent[1] if sent is not None else []) + new
             if ack is None:
+                self._sent.pop(front, None)
                 return 0, events
             batch = secrets.randbits(62) or 1  # not a count: a new engine under the same name must not match an old ack
             self._sent[front] = (batch, events)
@@ -176,27 +184,27 @@ class Outbox:
 
     def wait_drained(self, timeout: float) -> bool:
         """Wait (at most `timeout`) until every front still draining (heard from within
-        READING_S) has taken its events."""
+        READING_S) has taken its events and acknowledged them (a last answer lost on the way
+        would otherwise lose the requests' ends)."""
         def taken() -> bool:
             now = self._clock()
-            return not any(events and now - self._heard.get(front, now) <= READING_S
-                           for front, events in self._events.items())
+            waiting = {f for f, events in self._events.items() if events} | set(self._sent)
+            return not any(now - self._heard.get(front, now) <= READING_S for front in waiting)
 
         with self._cv:
             return self._cv.wait_for(taken, timeout)
 
     def drop_silent(self) -> list[str]:
-        """The fronts that have events here and have not drained for `silent_s`; their events go."""
+        """The fronts that have events here and have neither drained nor submitted for `silent_s`;
+        their events go."""
         with self._cv:
-            gone = [front for front in set(self._events) | set(self._sent)
-                    if (self._events.get(front) or front in self._sent) and self._silent(front, self._heard.get(front))]
+            now = self._clock()
+            gone = [front for front in {f for f, events in self._events.items() if events} | set(self._sent)
+                    if now - self._heard.get(front, now) > self.silent_s]
             for front in gone:
                 self._events.pop(front, None)
                 self._sent.pop(front, None)
             return gone
-
-    def _silent(self, front: str, heard: Optional[float]) -> bool:
-        return heard is not None and self._clock() - heard > self.silent_s
 
 
 class Endings:
@@ -328,6 +336,7 @@ class Engine:
             self._admitted += 1
             phase = self._admitted
         state = RequestState(spec, list(spec.prompt), make_policy(spec, self.info, phase=phase))
+        self.outbox.touch(spec.front)  # its reader here may start after the first events
         self._inbox.put(("add", state))
         return None
 
@@ -340,6 +349,7 @@ class Engine:
         state.needs_prefill, state.pending_commit, state.awaiting_draft = True, None, False
         state.reopen_drafter = True
         state.epoch += 1
+        self.outbox.touch(state.spec.front)  # its front reads this engine only once it hears of the move
         self._inbox.put(("add", state))
         return True
 
@@ -432,6 +442,8 @@ class Engine:
         """Requests whose front stopped draining (`Outbox.drop_silent`) end: nobody hears them."""
         for front in self.outbox.drop_silent():
             orphans = [r for r in self._requests.values() if r.spec.front == front]
+            if not orphans:
+                continue  # the last events of requests cancelled before
             log.warning("%s: front %s has not read its events for %.0f s: cancelling its %d request(s)", self.name,
                         front, self.outbox.silent_s, len(orphans))
             for r in orphans:

@@ -25,6 +25,7 @@ REPLACEMENT = "\ufffd"
 # after this many new ids holds bytes that make no character, and goes out as it is (waiting on
 # would decode an ever longer window, and send nothing until the end)
 MAX_PENDING_IDS = 8
+MAX_CHAR_IDS = 3  # the ids kept back then: a character's first bytes, whose rest may still come
 
 
 class Detokenizer:
@@ -47,31 +48,39 @@ class Detokenizer:
     def push(self, ids: Sequence[int]) -> str:
         """Add ids; returns the new complete text (possibly empty)."""
         self._ids.extend(int(t) for t in ids)
-        start, after = self._window()
-        waiting = after.endswith(REPLACEMENT) and len(self._ids) - self._read <= MAX_PENDING_IDS
-        if len(after) <= start or waiting:
+        start, after = self._window(len(self._ids))
+        if len(after) <= start:
             return ""
-        return self._emit(after[start:])
+        if not after.endswith(REPLACEMENT):
+            return self._emit(after[start:], len(self._ids))
+        if len(self._ids) - self._read <= MAX_PENDING_IDS:
+            return ""  # the rest of a character may come
+        # bytes that make no character: out they go, but for the last few, which may yet begin one
+        upto = len(self._ids) - MAX_CHAR_IDS
+        start, text = self._window(upto)
+        return self._emit(text[start:], upto) if len(text) > start else ""
 
     def flush(self) -> str:
         """At the end: whatever is still pending, undecodable bytes as U+FFFD."""
-        start, after = self._window()
-        return self._emit(after[start:])
+        start, after = self._window(len(self._ids))
+        return self._emit(after[start:], len(self._ids))
 
-    def _window(self) -> tuple[int, str]:
-        """The window's text with the ids not emitted yet, and where their text starts in it. A
+    def _window(self, end: int) -> tuple[int, str]:
+        """The window's text up to id `end`, and where the ids not emitted yet start in it. A
         prompt (token ids) may end inside a character: when the first generated ids complete it
-        (its U+FFFD in the window's text turned into the character), the character is theirs."""
+        (its U+FFFD in the window's text turned into the character), the character is theirs; the
+        prompt's own undecodable bytes before it stay the prompt's."""
         before = self._decode(self._ids[self._prefix:self._read])
-        after = self._decode(self._ids[self._prefix:])
-        if self._in_context:
-            whole = before.rstrip(REPLACEMENT)
-            if after[len(whole):len(before)] != before[len(whole):]:
-                return len(whole), after
-        return len(before), after
+        after = self._decode(self._ids[self._prefix:end])
+        start = len(before)
+        if self._in_context and before.endswith(REPLACEMENT):
+            same = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
+            start = max(len(before.rstrip(REPLACEMENT)), same)
+        return start, after
 
-    def _emit(self, delta: str) -> str:
-        self._prefix, self._read = self._read, len(self._ids)
+    def _emit(self, delta: str, upto: int) -> str:
+        """`delta` is the text of the ids before `upto`: they are done."""
+        self._prefix, self._read = self._read, upto
         self._in_context = False
         self.text += delta
         return delta

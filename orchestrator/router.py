@@ -24,7 +24,7 @@ import time
 from typing import Optional
 
 import ray
-from ray.exceptions import GetTimeoutError
+from ray.exceptions import ActorDiedError, GetTimeoutError
 
 from orchestrator.names import COORDINATOR, ENGINE_ANSWERS, ENGINE_DEAD, ENGINE_UNKNOWN, ENGINE_UNREACHABLE
 from orchestrator.request import Event, RequestSpec
@@ -69,6 +69,14 @@ class Inbox:
             return self._q.get(timeout=timeout)
         except queue.Empty:
             return None
+
+
+_CANNOT_TELL = object()  # `Router._actor`'s answer when Ray could not say
+
+
+def _same_actor(a, b) -> bool:
+    """Whether two handles name one actor (a new actor under a reused name is another)."""
+    return a is not None and b is not None and getattr(a, "_actor_id", a) == getattr(b, "_actor_id", b)
 
 
 class _Stopped(Exception):
@@ -148,11 +156,14 @@ class Router:
         """Make no new call into Ray and wait (at most `timeout`) until no thread is in one and the
         readers have ended (each within one drain poll). True when both happened in time."""
         deadline = time.monotonic() + timeout
+        # the cancels asked for before the stop go out first (the clients that left as the server
+        # stopped): else their requests would run on until their engines found this front silent
+        self._cancels.put(None)
+        self._canceller.join(timeout)
         with self._lock:
             self._stopped.set()  # under the lock: `_ensure_reader` and `_calling_ray` see it there
             readers = [*self._readers.values(), self._canceller]
-            self._cancels.put(None)  # the cancels queued before it are refused (`_Stopped`), quickly
-            self._left_ray.wait_for(lambda: self._in_ray == 0, timeout)
+            self._left_ray.wait_for(lambda: self._in_ray == 0, max(0.0, deadline - time.monotonic()))
         for t in readers:
             t.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
@@ -184,14 +195,13 @@ class Router:
             t.start()  # under the lock: `stop` never sees a reader that has not started
 
     def _read(self, engine: str) -> None:
-        try:
-            with self._calling_ray():
-                handle = ray.get_actor(engine, namespace=self._ns)
-        except _Stopped:
-            return
-        except ValueError:
-            lost = self._filed_under(engine)
-            self._fail_engine(engine, "engine is gone", self._check_engine(engine), lost)
+        while (handle := self._actor(engine, unknown=_CANNOT_TELL)) is _CANNOT_TELL:
+            if self._stopped.wait(READ_RETRY_S):
+                return
+        if handle is None:
+            if not self._stopped.is_set():
+                lost = self._filed_under(engine)
+                self._fail_engine(engine, "engine is gone", self._check_engine(engine), lost)
             return
         pending = None  # a drain call not answered yet: asked again rather than piling up calls
         ack = 0  # the batch the last drain returned: the next one acknowledges it
@@ -208,10 +218,16 @@ class Router:
             except GetTimeoutError:  # a busy engine: wait on, letting a `stop` in between
                 continue
             except Exception as exc:  # noqa: BLE001 - RayActorError and friends
+                if self._stopped.is_set():
+                    return
                 pending = None  # a new drain, with the same ack: a lost answer comes again
                 failing_since = failing_since or time.monotonic()
                 lost = self._filed_under(engine)  # before the check: later ones may be a new engine's
                 verdict = self._check_engine(engine)
+                if isinstance(exc, ActorDiedError) or not _same_actor(self._actor(engine, unknown=handle), handle):
+                    # this reader's engine is dead, whatever answers under its name now (a new
+                    # engine of the verifier, registered again): its requests go, later ones get a reader
+                    verdict = ENGINE_DEAD
                 if verdict in (ENGINE_ANSWERS, ENGINE_UNREACHABLE) and \
                         time.monotonic() - failing_since < ENGINE_LOST_S:
                     log.warning("engine %s: a drain failed (%s); the engine %s, reading again", engine, exc, verdict)
@@ -232,6 +248,17 @@ class Router:
                     self._ensure_reader(ev.moved_to)
                     continue
                 inbox.deliver(ev)
+
+    def _actor(self, engine: str, unknown=None):
+        """The actor named `engine` now: None when there is none by that name (or this router is
+        stopping), `unknown` when Ray cannot tell."""
+        try:
+            with self._calling_ray():
+                return ray.get_actor(engine, namespace=self._ns)
+        except (_Stopped, ValueError):
+            return None
+        except Exception:  # noqa: BLE001 - e.g. the GCS busy for a moment
+            return unknown
 
     def _check_engine(self, engine: str) -> str:
         """What the coordinator says of `engine` (a dead one it drops); unreachable when it cannot say."""

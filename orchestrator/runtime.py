@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 from dataclasses import dataclass, field
 from typing import Optional
@@ -116,7 +117,9 @@ class Orchestrator:
                 raise RegistrationFailed(f"verifier {address} could not be registered: {_innermost(exc)}") from exc
             log.info("verifier %s registered (engine %s)", address, info["engine"])
         tokenizer = load_tokenizer(c.tokenizer)
-        front = f"front-{socket.gethostname()}-{os.getpid()}"
+        # unique per process: a front restarted in a container has the same host name and pid, and
+        # must not take over the old process's events (nor keep its orphans from being cancelled)
+        front = f"front-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self._router = Router(c.namespace, front)
         servicer = GenerationServicer(self._router, tokenizer, c.limits)
         # a worker per open stream (at most limits.max_streams) and some for Cancel and the rest

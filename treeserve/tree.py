@@ -47,8 +47,9 @@ class SparseDist:
         return self.unlisted_prob(vocab_size)
 
     def normalised(self) -> "SparseDist":
-        """This distribution with its mass made exactly 1 (a wire one may be off by `_PROB_TOL`:
-        acceptance with an unnormalised q would follow it, off the target by as much)."""
+        """This distribution with each mass divided by the total, which makes it 1 to rounding (a
+        wire one may be off by `_PROB_TOL`: acceptance with an unnormalised q would follow it, off
+        the target by as much)."""
         total = sum(self.probs) + self.residual
         if total == 1.0:
             return self

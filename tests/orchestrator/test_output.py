@@ -154,3 +154,24 @@ def test_bytes_that_make_no_character_go_out_instead_of_waiting_for_ever(tok):
     assert any(pieces[MAX_PENDING_IDS:2 * MAX_PENDING_IDS])  # out, not kept for the flush
     a = tok("a", add_special_tokens=False)["input_ids"]
     assert (d.push(a) + d.flush()).strip(REPLACEMENT) == "a"  # what was pending goes out with it
+
+
+@pytest.mark.parametrize("stray", range(12))
+def test_stray_bytes_before_a_character_do_not_take_it_with_them(tok, stray):
+    """Past MAX_PENDING_IDS the undecodable bytes go out, but not the last few ids, which may be
+    the beginning of a character: what the client gets is the whole decode, the emoji included."""
+    lone = tok("🙂", add_special_tokens=False)["input_ids"][-1]
+    ids = [lone] * stray + tok("🙂ok", add_special_tokens=False)["input_ids"]
+    d = Detokenizer(tok)
+    assert "".join(d.push([t]) for t in ids) + d.flush() == tok.decode(ids) == REPLACEMENT * stray + "🙂ok"
+
+
+def test_a_prompts_own_undecodable_byte_stays_the_prompts(tok):
+    """The prompt ends in a stray byte and then the first byte of 中; the generated ids complete 中:
+    the client gets 中 and what follows, not the prompt's U+FFFD."""
+    lone = tok("🙂", add_special_tokens=False)["input_ids"][-1]
+    han = tok("中", add_special_tokens=False)["input_ids"]
+    prompt = tok("ab", add_special_tokens=False)["input_ids"] + [lone] + han[:1]
+    d = Detokenizer(tok, context=prompt)
+    generated = han[1:] + tok("xy", add_special_tokens=False)["input_ids"]
+    assert "".join(d.push([t]) for t in generated) + d.flush() == "中xy"

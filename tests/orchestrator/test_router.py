@@ -3,8 +3,8 @@ thread is inside a Ray call, and a dead engine's requests fail while those filed
 meanwhile get a reader of their own. `test_coordinator.py` runs the router against real Ray."""
 from __future__ import annotations
 
-import queue
 import threading
+import time
 
 import pytest
 
@@ -282,3 +282,40 @@ def test_a_submission_the_coordinator_does_not_answer_in_time_is_refused_and_can
     wait_until(lambda: ray_api.coordinator.cancelled == [("slow", "its submission failed", request.admission)], 10,
                "the cancel")
     assert "slow" not in router._inboxes  # the id is not held here meanwhile
+
+
+def test_the_cancels_asked_for_before_a_stop_go_out_before_it(ray_api, router):
+    """A server's stop ends its open streams, whose done-callbacks queue their cancels; the router's
+    stop comes next and must send them, not drop them (else the requests run on unread)."""
+    held = ray_api.coordinator._cancel
+
+    def round_trip(*args):
+        time.sleep(0.01)
+        return held(*args)
+
+    ray_api.coordinator.cancel = Method(round_trip)
+    for i in range(50):
+        router.cancel_soon(f"r{i}", "client went away", "adm")
+    assert router.stop() is True
+    assert len(ray_api.coordinator.cancelled) == 50
+
+
+def test_a_reader_whose_engine_was_replaced_under_its_name_lets_the_new_one_be_read(ray_api, router, monkeypatch):
+    """The engine dies and its verifier is registered again: a new engine under the same name,
+    which answers the coordinator's ping. The old engine's requests fail (nothing to cancel), and
+    a request on the new one is read, at once, not after ENGINE_LOST_S of draining the dead one."""
+    monkeypatch.setattr(router_module, "READ_RETRY_S", 0.1)
+    old, _ = router.submit(spec("old"))
+    ray_api.engines["E"].put(Event("old", 0, tokens=(1,), admission=old.admission))
+    assert old.get(timeout=10).tokens == (1,)  # the reader holds the first engine's handle
+    ray_api.engines["E"].lose_answers(10**6)  # its drains fail from now on, as a dead actor's do
+    ray_api.engines["E"] = StandInEngine()
+    ray_api.coordinator.verdict = ENGINE_ANSWERS  # it pings the engine under the name: the new one
+    failed = old.get(timeout=10)
+    assert failed.error == (UNAVAILABLE, "engine E died")
+    new, error = router.submit(spec("new"))
+    assert error is None
+    ray_api.engines["E"].put(Event("new", 0, tokens=(7,), admission=new.admission))
+    delivered = new.get(timeout=10)
+    assert delivered is not None and delivered.tokens == (7,)
+    assert ray_api.coordinator.cancelled == []

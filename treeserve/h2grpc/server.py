@@ -189,7 +189,12 @@ class DirectServer:
                     warned = time.monotonic()
                 time.sleep(ACCEPT_RETRY_S)
                 continue
-            conn = _Connection(self, sock)
+            try:
+                conn = _Connection(self, sock)
+            except OSError as exc:  # its socket options could not be set: this one connection goes
+                log.warning("h2grpc: could not set up a connection (%s)", exc)
+                sock.close()
+                continue
             with self._lock:
                 if self.stopping.is_set():
                     sock.close()

@@ -65,9 +65,9 @@ ADAPTIVE_START = 8
 RELEASE_TIMEOUT_S = 5.0  # longest wait for a Release (those of a failure's leftovers run side by side)
 MOVED_MEMORY = 4096  # moved requests remembered, so that a cancel that arrives late can follow them
 ENDINGS_FLUSH_S = 5.0  # how long a stopping engine lets its queued last events go out
-# A front that has not drained its events for this long is gone (crashed, or stopped with its
-# requests still here): its requests are cancelled and its events dropped. Fronts drain every
-# second or two; this leaves room for a long pause of theirs
+# A front that has neither drained its events nor submitted for this long is gone (crashed, or
+# stopped with its requests still here): its requests are cancelled and its events dropped.
+# Fronts drain every second or two; this leaves room for a long pause of theirs
 FRONT_SILENT_S = 60.0
 READING_S = 5.0  # a front heard from within this is still draining (a stopping engine waits for it)
 FRONT_CHECK_S = 1.0  # how often the step loop looks for silent fronts

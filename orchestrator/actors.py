@@ -117,6 +117,10 @@ class CoordinatorCore:
         self._replicas: dict[str, _Replica] = {}
         self._where: dict[str, str] = {}  # request id -> verifier address
         self._moving: set[str] = set()  # request ids `replica_down` is handing to another engine now
+        # cancels of requests whose engine has not answered their submission yet: sent once it has
+        # (sent at once, one could reach the engine before the request and be dropped there)
+        self._early_cancels: dict[str, tuple[str, str]] = {}
+        self._submitting: set[str] = set()
         self._ended_in_move: dict[str, str] = {}  # of those, the ones that ended there already -> verifier
 
     # ---- registry -----------------------------------------------------------------------
@@ -189,17 +193,22 @@ class CoordinatorCore:
         if not order:
             return None, (_UNAVAILABLE, "no verifier replica is available")
         error = (_EXHAUSTED, "every verifier replica is full")
+        early = None  # (reason, admission) of a cancel that came while an engine was being asked
         for rep in order:
             if not self._reserve(rep, spec.request_id):
                 continue
             try:
                 refusal = ray.get(rep.engine.submit.remote(spec))
             except RayActorError as exc:
+                early = self._submitted(spec.request_id) or early
                 self._unreserve(rep, spec.request_id)
                 self._engine_failed(rep, exc)
                 error = (_UNAVAILABLE, f"the engine of verifier replica {rep.verifier} does not answer")
                 continue
+            early = self._submitted(spec.request_id) or early
             if refusal is None:
+                if early is not None and (not early[1] or early[1] == spec.admission):
+                    rep.engine.cancel.remote(spec.request_id, *early)
                 return rep.name, None
             self._unreserve(rep, spec.request_id)
             error = tuple(refusal)
@@ -216,7 +225,14 @@ class CoordinatorCore:
                 return False
             rep.load += 1
             self._where[request_id] = rep.verifier
+            self._submitting.add(request_id)
             return True
+
+    def _submitted(self, request_id: str) -> Optional[tuple[str, str]]:
+        """The engine answered the submission: the cancel that came meanwhile, if one did."""
+        with self._lock:
+            self._submitting.discard(request_id)
+            return self._early_cancels.pop(request_id, None)
 
     def _unreserve(self, rep: _Replica, request_id: str) -> None:
         with self._lock:
@@ -229,6 +245,9 @@ class CoordinatorCore:
         with self._lock:
             verifier = self._where.get(request_id)
             rep = self._replicas.get(verifier) if verifier else None
+            if rep is not None and request_id in self._submitting:
+                self._early_cancels[request_id] = (reason, admission)  # `submit` sends it
+                return True
         if rep is None:
             return False
         rep.engine.cancel.remote(request_id, reason, admission)

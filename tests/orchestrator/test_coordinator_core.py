@@ -22,10 +22,18 @@ class StandInEngine:
         self.accepted: list[str] = []
         self.stopped = False
         self.refusal = refusal
+        self.cancelled: list[tuple] = []
+        self.while_submitting = lambda: None  # what happens elsewhere while this engine takes a request
         self.submit = Method(self._submit)
+        self.cancel = Method(self._cancel)
         self.shutdown = Method(lambda: setattr(self, "stopped", True))
 
+    def _cancel(self, request_id, *args):
+        if request_id in self.accepted:  # as an engine does: a cancel of a request it has not got is dropped
+            self.cancelled.append((request_id, *args))
+
     def _submit(self, spec):
+        self.while_submitting()
         if self.refusal is not None:
             return self.refusal
         self.accepted.append(spec.request_id)
@@ -100,3 +108,27 @@ def test_a_moved_request_that_ends_during_its_move_leaves_no_load_behind(coordin
     assert coordinator._where == {}  # the id is free again
     assert {v: r.load for v, r in coordinator._replicas.items()} == {"v:1": 0, "v:2": 0}
     assert coordinator._moving == set() and coordinator._ended_in_move == {}
+
+
+def test_a_cancel_that_comes_while_the_engine_takes_the_request_follows_it(coordinator):
+    """Sent at once, the cancel could reach the (threaded) engine actor before the request and be
+    dropped there, while the client was told `cancelled`: it waits for the engine's answer."""
+    engine = StandInEngine()
+    replica(coordinator, "v:1", engine)
+    told = []
+    engine.while_submitting = lambda: told.append(coordinator.cancel("x", "cancelled by the client"))
+    request = spec("x")
+    assert coordinator.submit(request) == ("engine-v:1", None)
+    assert told == [True] and engine.accepted == ["x"]
+    assert engine.cancelled == [("x", "cancelled by the client", "")]
+    assert coordinator.cancel("x", "again") is True  # after the submission: sent at once
+    assert engine.cancelled[-1] == ("x", "again", "")
+
+
+def test_a_cancel_for_another_admission_that_came_meanwhile_is_not_sent(coordinator):
+    """A late cancel of the id's previous request (its admission) must not end the new one."""
+    engine = StandInEngine()
+    replica(coordinator, "v:1", engine)
+    engine.while_submitting = lambda: coordinator.cancel("x", "client went away", "0badadm0")
+    assert coordinator.submit(spec("x")) == ("engine-v:1", None)
+    assert engine.cancelled == []

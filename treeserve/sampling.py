@@ -115,12 +115,10 @@ Scalar = float | int | torch.Tensor  # a Python number, or a 0-d float32 tensor 
 
 
 def _scaled(logits: torch.Tensor, scale: Scalar) -> torch.Tensor:
-    """float32 logits less each row's largest, times float32 `scale`: a Python float meets a
-    float32 tensor as a float32 value, so a number and a tensor holding its float32 rounding give
-    the same bits. The shift keeps the top of the row near 0 at any temperature (at 1e-5 a logit
-    of 10 would scale to 1e6, where float32 resolves no finer than 1/16)."""
-    z = logits.float()
-    return (z - z.amax(-1, keepdim=True)) * scale
+    """float32 logits times float32 `scale`: a Python float meets a float32 tensor as a float32
+    value, so a number and a tensor holding its float32 rounding give the same bits. (The softmax
+    after it takes out each row's largest itself: no shift is needed here.)"""
+    return logits.float() * scale
 
 
 def _truncated(logits: torch.Tensor, scale: Scalar, top_k: Scalar, top_p: Scalar,
@@ -150,9 +148,12 @@ def _truncated(logits: torch.Tensor, scale: Scalar, top_k: Scalar, top_p: Scalar
 
 def scaled_logits(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """float32 (logits - row max) times float32(1 / temperature), what `kernels.gumbel_argmax` forms
-    (given the row max as its shift) and `transform` starts from: the log-probabilities of the
-    sampled distribution up to a constant per row, 0 at the row's top."""
-    return _scaled(logits, 1.0 / s.temperature)
+    given the row max as its shift: the log-probabilities of the sampled distribution up to a
+    constant per row, 0 at the row's top. The shift keeps the top near 0 at any temperature, where
+    Gumbel noise added to it keeps its precision (at 1e-5 a logit of 10 would scale to 1e6, where
+    float32 resolves no finer than 1/16)."""
+    z = logits.float()
+    return _scaled(z - z.amax(-1, keepdim=True), 1.0 / s.temperature)
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:

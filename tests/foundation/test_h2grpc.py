@@ -8,6 +8,7 @@ deadlines, concurrent streams, malformed connections, the `grpc-timeout` encodin
 Everything is bytes in, bytes out (no serializers)."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import queue
@@ -226,6 +227,20 @@ class Requests:
     def __iter__(self):
         while (request := self._queue.get()) is not self._END:
             yield request
+
+
+@contextlib.contextmanager
+def echo_stream(channel: grpc.Channel):
+    """A grpcio stream of the echo method that has answered its first request ("a"): yields
+    (requests, responses); the requests end on the way out."""
+    requests = Requests()
+    responses = stream(channel)(iter(requests), timeout=WAIT_S)
+    try:
+        requests.put(b"a")
+        assert next(responses) == b"echo:a"
+        yield requests, responses
+    finally:
+        requests.end()
 
 
 # ---- 1. grpcio client -> DirectServer: round trips -----------------------------------------------
@@ -883,12 +898,7 @@ def test_bad_timeout_values(value):
 # ---- 9. shutdown ---------------------------------------------------------------------------------
 
 def test_stop_with_idle_grpcio_stream(direct, open_channel):
-    channel = open_channel(direct.port)
-    requests = Requests()
-    responses = stream(channel)(iter(requests), timeout=WAIT_S)
-    try:
-        requests.put(b"a")
-        assert next(responses) == b"echo:a"
+    with echo_stream(open_channel(direct.port)) as (_, responses):
         grace = 6.0
         start = time.monotonic()
         direct.stop(grace)
@@ -897,8 +907,6 @@ def test_stop_with_idle_grpcio_stream(direct, open_channel):
         with pytest.raises(grpc.RpcError) as info:
             next(responses)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    finally:
-        requests.end()
 
 
 def test_stop_with_idle_session(direct, open_session):
@@ -1097,12 +1105,7 @@ def test_a_connection_with_no_call_that_stays_silent_is_closed(start_direct, ope
     not, however long the call waits between messages."""
     idle_s = 0.5
     direct = start_direct(idle_s=idle_s)
-    channel = open_channel(direct.port)
-    requests = Requests()
-    responses = stream(channel)(iter(requests), timeout=WAIT_S)
-    try:
-        requests.put(b"a")
-        assert next(responses) == b"echo:a"
+    with echo_stream(open_channel(direct.port)) as (requests, responses):
         t0 = time.monotonic()
         with socket.create_connection(("127.0.0.1", direct.port), timeout=WAIT_S) as sock:
             sock.sendall(CLIENT_PREFACE + raw_frame(4, 0, 0, b""))
@@ -1112,8 +1115,6 @@ def test_a_connection_with_no_call_that_stays_silent_is_closed(start_direct, ope
         time.sleep(idle_s)  # the open stream's connection is older than idle_s now, and silent
         requests.put(b"b")
         assert next(responses) == b"echo:b"
-    finally:
-        requests.end()
 
 
 def test_connections_probe_a_quiet_peer_with_tcp_keepalive(direct):

@@ -26,7 +26,10 @@ a token of another sequence, and the same formula turns speculation off.
   larger and one smaller) so the estimates stay current; while speculation is off it tries the
   best-scoring budget above 1 instead, because drafting has a fixed cost per step (a drafter
   RPC, a draft-model forward per tree level): budget 2 may not pay where 8 does, so probing only
-  2 could keep speculation off for good. During the first `warmup` steps the cadence is every
+  2 could keep speculation off for good. While the engine has not verified a plain step (every
+  request so far speculated), a probe is a plain step instead: until then plain decoding is priced
+  with the speculative steps' overhead, drafting included, and could never win against an
+  expensive drafter. During the first `warmup` steps the cadence is every
   other step: until the batch has verified different node counts the cost slope is unknown
   (assumed flat). Each request probes at its own `phase`, so a large batch does not probe all at
   once.
@@ -133,6 +136,10 @@ class CostModel:
         self.credit = max(0.0, self.credit - max(0.0, loss_ms))
         return True
 
+    def measured(self, speculative: bool) -> bool:
+        """Whether a step of this kind (speculative or plain) has been observed."""
+        return self._overhead_ms[speculative] is not None
+
     def overhead_ms(self, speculative: bool) -> float:
         """Median time outside the forward of the last `OVERHEAD_WINDOW` steps of this kind (never
         measured: the other kind's; neither: 0)."""
@@ -205,6 +212,10 @@ class AdaptivePolicy:
         self.best = max(self.budgets, key=rank)
         every = 2 if self.steps <= self.warmup else self.probe_every
         if every and (self.steps + self.phase) % every == 0 and len(self.budgets) > 1:
+            if self.best != 1 and not speculative and not cost.measured(speculative=False):
+                # plain steps are priced with the speculative steps' overhead (drafting included)
+                # until one is measured, so plain could never win: one plain step measures it
+                return 1
             # off: re-check the most promising tree, not just the smallest
             probe = max(self.budgets[1:], key=rank) if self.best == 1 else self._neighbour(self.best)
             if cost.afford(times[probe] - tokens[probe] / scores[self.best]):

@@ -152,6 +152,21 @@ def test_fixed_drafting_cost_that_never_pays_turns_speculation_off():
     assert steady > 0.8 * plain_rate(forward, overhead=2.0)
 
 
+def test_a_dear_drafter_on_a_fresh_engine_turns_speculation_off():
+    """No plain step verified before (every request so far speculated): plain decoding's overhead
+    is unknown and falls back to the speculative steps' (drafting included), so probing only the
+    best budget's neighbours kept an expensive drafter on for good (about 0.6x plain here)."""
+    def tau(b):
+        return 1 + 1.5 * (1 - 0.8 ** (b - 1))
+
+    def forward(n):
+        return 0.8 + 0.06 * n
+
+    rate, steady, chosen = simulate(tau, forward, overhead=0.3, draft_overhead=2.7, cap=16)
+    assert sum(b == 1 for b in chosen[-100:]) >= 90
+    assert steady > 0.9 * plain_rate(forward) and rate > 0.85 * plain_rate(forward)
+
+
 def test_probes_neighbours_when_off():
     """Off (budget 2 measured useless): probes every `probe_every` steps, at the best budget
     above 1 (all equal here, so the cheapest)."""

@@ -444,6 +444,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         _load(run_, args, target, drafter, device, dtype, max_len)
         _measure(run_, methods, prompts, warmup)
+        if "grpc" in run_.paths:  # what the engine's adaptive policy learnt, per regime
+            stats = run_.paths["grpc"].engine.stats()
+            run_.result["engine"] = {k: stats[k] for k in ("acceptance", "step_overhead_ms")}
+            run_.save()
     finally:
         _shutdown(run_)
     return _report(run_)

@@ -12,24 +12,29 @@ a GPU a node is nearly free and big trees win; in a large batch each node costs 
 a token of another sequence, and the same formula turns speculation off.
 
 - tau(b) is an exponential moving average of the tokens emitted per step at budget b, per request
-  (acceptance depends on the text), falling back to the engine-wide average for budgets the
-  request has not tried, and otherwise to the nearest smaller tried budget (never optimistic).
+  (acceptance depends on the text), falling back to the engine-wide average of the requests of
+  the same `Regime` (tree shape and temperature band: an n-gram tree at temperature 1 says little
+  about a draft model's tree at temperature 0) for budgets the request has not tried, and
+  otherwise to the nearest smaller tried budget (never optimistic).
   Until some acceptance has been measured (by the request or engine-wide) the request drafts at
   `start`; a warm cost model alone (e.g. from plain traffic) is no reason to begin at 1.
 - step_ms(n) = forward_ms(n) + overhead: the verifier's forward time is fitted as a + c * n over
   the nodes of the whole batch (least squares with forgetting), so large batches, where every
   extra node costs real compute, naturally push the choice towards 1; the overhead (drafting,
-  RPCs) is the median of the last `OVERHEAD_WINDOW` steps' overheads, separately for speculative and
-  plain steps: a one-off stall (a drafter compiling or capturing a new shape takes up to a second)
-  must not make speculation look hopeless for the hundreds of steps it would take to be probed away.
+  RPCs) is the median of the last `OVERHEAD_WINDOW` steps' overheads of its kind: plain steps (no
+  draft asked for) apart from the speculative steps of each regime (a sampled draft-model tree
+  costs its drafter several times an n-gram tree), a step being of every regime that asked for a
+  draft in it. A median, because a one-off stall (a drafter compiling or capturing a new shape
+  takes up to a second) must not make speculation look hopeless for the hundreds of steps it would
+  take to be probed away. A kind never measured is priced like the cheapest measured one.
 - Every `probe_every` steps the request may try a neighbour of its best budget (alternately one
   larger and one smaller) so the estimates stay current; while speculation is off it tries the
   best-scoring budget above 1 instead, because drafting has a fixed cost per step (a drafter
   RPC, a draft-model forward per tree level): budget 2 may not pay where 8 does, so probing only
   2 could keep speculation off for good. While the engine has not verified a plain step (every
   request so far speculated), a probe is a plain step instead: until then plain decoding is priced
-  with the speculative steps' overhead, drafting included, and could never win against an
-  expensive drafter. During the first `warmup` steps the cadence is every
+  with a speculative step's overhead, drafting included, and could never win against an expensive
+  drafter. During the first `warmup` steps the cadence is every
   other step: until the batch has verified different node counts the cost slope is unknown
   (assumed flat). Each request probes at its own `phase`, so a large batch does not probe all at
   once.
@@ -53,11 +58,29 @@ from __future__ import annotations
 import collections
 import statistics
 from dataclasses import dataclass, field
+from typing import Collection, Hashable, NamedTuple
 
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)
+# upper ends of the temperature bands (greedy, then sampled at up to 0.5, up to 1, above 1)
+TEMPERATURE_BANDS = (0.0, 0.5, 1.0)
+PLAIN = "plain"  # the kind of a step that asked the drafter for nothing
 OVERHEAD_WINDOW = 16  # steps whose overheads (outside the forward) give the median
 LEARNING_STEPS = OVERHEAD_WINDOW  # speculative steps an engine verifies before probes spend its credit
 SATURATED = 0.9  # share of its level at which the credit pays for any one probe
+
+
+class Regime(NamedTuple):
+    """What a request's acceptance and drafting cost depend on besides its text. shape: the tree
+    shape it asks the drafter for (a TreeShape value; 0, the drafter's default, is its own);
+    band: its temperature's band (`temperature_band`)."""
+
+    shape: int
+    band: int
+
+
+def temperature_band(temperature: float) -> int:
+    """0 for greedy (pass 0.0), then 1, 2, ... by the upper ends in TEMPERATURE_BANDS."""
+    return next((i for i, top in enumerate(TEMPERATURE_BANDS) if temperature <= top), len(TEMPERATURE_BANDS))
 
 
 def allowed_budgets(cap: int) -> tuple[int, ...]:
@@ -90,13 +113,17 @@ class CostModel:
     _nn: float = 0.0
     _y: float = 0.0
     _ny: float = 0.0
-    _overheads: dict = field(default_factory=lambda: {kind: collections.deque(maxlen=OVERHEAD_WINDOW)
-                                                      for kind in (True, False)})
+    # step kind (PLAIN or a Regime) -> the overheads of its last OVERHEAD_WINDOW steps
+    _overheads: dict = field(default_factory=lambda: collections.defaultdict(
+        lambda: collections.deque(maxlen=OVERHEAD_WINDOW)))
     # the medians of `_overheads`, kept up to date by `observe` (read a few times per request per step)
-    _overhead_ms: dict = field(default_factory=lambda: {True: None, False: None})
+    _overhead_ms: dict = field(default_factory=dict)
     speculative_steps: int = 0
 
-    def observe(self, nodes: int, forward_ms: float, step_ms: float, speculative: bool) -> None:
+    def observe(self, nodes: int, forward_ms: float, step_ms: float, drafted: Collection[Hashable] = ()) -> None:
+        """One verified step: `nodes` in the batch, the verifier's `forward_ms`, the engine's
+        whole `step_ms`; `drafted`: the regimes of the requests that asked for a draft in it (none:
+        a plain step)."""
         d = self.decay
         self._w = d * self._w + 1.0
         self._n = d * self._n + nodes
@@ -105,10 +132,11 @@ class CostModel:
         self._ny = d * self._ny + nodes * forward_ms
         self.credit = self.credit_decay * self.credit + self.explore * step_ms
         self.earned = self.credit_decay * self.earned + self.explore * step_ms
-        recent = self._overheads[speculative]
-        recent.append(max(0.0, step_ms - forward_ms))
-        self._overhead_ms[speculative] = statistics.median(recent)
-        self.speculative_steps += int(speculative)
+        for kind in drafted or (PLAIN,):
+            recent = self._overheads[kind]
+            recent.append(max(0.0, step_ms - forward_ms))
+            self._overhead_ms[kind] = statistics.median(recent)
+        self.speculative_steps += int(bool(drafted))
 
     def fit(self) -> tuple[float, float]:
         """(a, c): intercept and ms per node, both >= 0. Flat (c = 0) until nodes vary."""
@@ -136,20 +164,23 @@ class CostModel:
         self.credit = max(0.0, self.credit - max(0.0, loss_ms))
         return True
 
-    def measured(self, speculative: bool) -> bool:
-        """Whether a step of this kind (speculative or plain) has been observed."""
-        return self._overhead_ms[speculative] is not None
+    def measured(self, kind: Hashable) -> bool:
+        """Whether a step of this kind (PLAIN or a Regime) has been observed."""
+        return kind in self._overhead_ms
 
-    def overhead_ms(self, speculative: bool) -> float:
-        """Median time outside the forward of the last `OVERHEAD_WINDOW` steps of this kind (never
-        measured: the other kind's; neither: 0)."""
-        for kind in (speculative, not speculative):
-            if self._overhead_ms[kind] is not None:
-                return self._overhead_ms[kind]
-        return 0.0
+    def overhead_ms(self, kind: Hashable) -> float:
+        """Median time outside the forward of the last `OVERHEAD_WINDOW` steps of this kind (PLAIN
+        or a Regime); never measured: the cheapest measured kind's (a probe corrects it); none: 0."""
+        if kind in self._overhead_ms:
+            return self._overhead_ms[kind]
+        return min(self._overhead_ms.values(), default=0.0)
 
-    def step_ms(self, nodes: int, speculative: bool) -> float:
-        return self.forward_ms(nodes) + self.overhead_ms(speculative)
+    def overheads(self) -> dict:
+        """Step kind (PLAIN or a Regime) -> its median overhead in ms, for every kind measured."""
+        return dict(self._overhead_ms)
+
+    def step_ms(self, nodes: int, kind: Hashable) -> float:
+        return self.forward_ms(nodes) + self.overhead_ms(kind)
 
 
 @dataclass
@@ -170,10 +201,13 @@ class AcceptanceTable:
 @dataclass
 class AdaptivePolicy:
     """Per-request budget choice. `cap`: the largest budget allowed (the request's node budget or
-    the verifier's tree limit); `start`: the budget used until some acceptance has been measured."""
+    the verifier's tree limit); `start`: the budget used until some acceptance has been measured;
+    `regime`: the request's (what its speculative steps are priced by; `shared` tables passed to
+    `choose` and `observe` are its regime's)."""
 
     cap: int
     start: int = 8
+    regime: Hashable = Regime(0, 0)
     probe_every: int = 16
     warmup: int = 12
     phase: int = 0
@@ -205,14 +239,15 @@ class AdaptivePolicy:
             return self.start
         speculative = other_nodes > other_tokens  # does the rest of the batch speculate?
 
-        times = {b: max(1e-6, cost.step_ms(other_nodes + b, speculative or b > 1)) for b in self.budgets}
+        times = {b: max(1e-6, cost.step_ms(other_nodes + b, self.regime if speculative or b > 1 else PLAIN))
+                 for b in self.budgets}
         tokens = {b: self.estimate(b, shared) + other_tokens for b in self.budgets}
         scores = {b: tokens[b] / times[b] for b in self.budgets}
         rank = lambda b: (scores[b], -b)  # the best score; on a tie, the smaller budget
         self.best = max(self.budgets, key=rank)
         every = 2 if self.steps <= self.warmup else self.probe_every
         if every and (self.steps + self.phase) % every == 0 and len(self.budgets) > 1:
-            if self.best != 1 and not speculative and not cost.measured(speculative=False):
+            if self.best != 1 and not speculative and not cost.measured(PLAIN):
                 # plain steps are priced with the speculative steps' overhead (drafting included)
                 # until one is measured, so plain could never win: one plain step measures it
                 return 1

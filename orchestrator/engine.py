@@ -40,7 +40,7 @@ from typing import Iterable, Optional
 
 import grpc
 
-from orchestrator.adaptive import AcceptanceTable, AdaptivePolicy, CostModel, FixedPolicy
+from orchestrator.adaptive import PLAIN, AcceptanceTable, AdaptivePolicy, CostModel, FixedPolicy, Regime
 from orchestrator.draft_link import DraftLink
 from orchestrator.request import CANCELLED, Event, RequestSpec, RequestState
 from orchestrator.steps import accept, advance, fit_tree, in_original, take_output, tree_limits
@@ -258,13 +258,20 @@ class Endings:
             self._outbox.put(front, [last])
 
 
+def _kind_fields(kind) -> dict:
+    """A step kind of the cost model (PLAIN or a Regime) as stats fields."""
+    if kind == PLAIN:
+        return {"shape": PLAIN}
+    return {"shape": pb.TreeShape.Name(kind.shape), "temperature_band": kind.band}
+
+
 def make_policy(spec: RequestSpec, info: VerifierInfo, phase: int = 0):
     sp = spec.speculation
     if not sp.enabled:
         return FixedPolicy(1)
     if sp.adaptive:
         cap = min(sp.node_budget or ADAPTIVE_CAP, info.max_tree_nodes)
-        return AdaptivePolicy(cap=cap, start=min(cap, ADAPTIVE_START), phase=phase)
+        return AdaptivePolicy(cap=cap, start=min(cap, ADAPTIVE_START), phase=phase, regime=spec.regime)
     return FixedPolicy(min(sp.node_budget, info.max_tree_nodes))
 
 
@@ -280,7 +287,8 @@ class Engine:
         self.eos = frozenset(self.info.eos_token_ids)
         self.outbox = Outbox()
         self.cost = CostModel()
-        self.shared = AcceptanceTable()
+        # regime -> engine-wide acceptance of its requests (what a request falls back on)
+        self.shared: defaultdict[Regime, AcceptanceTable] = defaultdict(AcceptanceTable)
         self._requests: dict[str, RequestState] = {}
         self._inbox: queue.Queue = queue.Queue()
         self._count_lock = threading.Lock()
@@ -362,7 +370,11 @@ class Engine:
         a, c = self.cost.fit()
         out = {"name": self.name, "verifier": self.config.verifier, "load": self._count, "steps": self.steps,
                "down": self._down_since is not None, "forward_ms_intercept": a, "forward_ms_per_node": c,
-               "acceptance": dict(self.shared.tau), "info": self.info.__dict__,
+               # per regime: tokens a step by budget; per step kind: the median time outside the
+               # forward (list() and dict() copy at once, while the loop may add a regime)
+               "acceptance": [dict(_kind_fields(k), tau=dict(t.tau)) for k, t in list(self.shared.items())],
+               "step_overhead_ms": [dict(_kind_fields(k), ms=ms) for k, ms in self.cost.overheads().items()],
+               "info": self.info.__dict__,
                # what steps are sent with: VerifyStream until the verifier says it has none
                "verify_rpc": "Verify" if self._stream is None else "VerifyStream",
                "verify_stream_address": getattr(self._stream, "address", self.config.verifier)}
@@ -451,6 +463,9 @@ class Engine:
 
     def _step(self, batch: list[RequestState]) -> None:
         t0 = time.perf_counter()
+        # the step's kind for the cost model: the regimes that asked for a draft (and waited on it,
+        # whether a tree came or not)
+        drafted = {r.spec.regime for r in batch if r.awaiting_draft}
         trees = self._gather_trees(batch)
         items = []
         for r, tree in zip(batch, trees):
@@ -466,7 +481,7 @@ class Engine:
             return
         step_ms = (time.perf_counter() - t0) * 1e3
         nodes = sum(t.size for t in trees)
-        self.cost.observe(nodes, resp.forward_ms, step_ms, speculative=nodes > len(batch))
+        self.cost.observe(nodes, resp.forward_ms, step_ms, drafted)
         self.steps += 1
         done = []  # (request, outcome in the drafter's node indices or None, tokens out, finish)
         for r, tree, res in zip(batch, trees, resp.results):
@@ -484,7 +499,7 @@ class Engine:
                 continue
             r.failures = 0
             if r.from_drafter:
-                r.policy.observe(r.budget, len(outcome.accepted_nodes), self.shared)
+                r.policy.observe(r.budget, len(outcome.accepted_nodes), self.shared[r.spec.regime])
             out, finish = advance(r, tree, outcome, self.eos)
             r.last_nodes, r.last_tokens = tree.size, len(outcome.accepted_nodes)
             done.append((r, in_original(outcome, r.tree_map) if r.from_drafter else None, out, finish))
@@ -535,7 +550,7 @@ class Engine:
                        other_tokens: float = 0.0) -> None:
         if self.link is None or not r.spec.speculation.enabled:
             return
-        budget = r.policy.choose(self.cost, other_nodes, self.shared, other_tokens)
+        budget = r.policy.choose(self.cost, other_nodes, self.shared[r.spec.regime], other_tokens)
         max_nodes, max_depth = tree_limits(r, self.info.max_tree_nodes, self.info.max_sequence_length)
         if max_depth == 0 or budget == 1:
             r.budget = 1

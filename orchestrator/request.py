@@ -13,6 +13,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Optional
 
+from orchestrator.adaptive import Regime, temperature_band
 from treeserve.sampling import Sampling
 from treeserve.v1 import treeserve_pb2 as pb
 
@@ -33,9 +34,13 @@ class Speculation:
     def enabled(self) -> bool:
         return self.mode != "off"
 
+    @property
+    def tree_shape(self) -> int:
+        """The TreeShape asked of the drafter (UNSPECIFIED: its default)."""
+        return pb.TREE_SHAPE_CHAIN if self.mode == "chain" else self.shape
+
     def draft_options(self):
-        shape = pb.TREE_SHAPE_CHAIN if self.mode == "chain" else self.shape
-        return pb.DraftOptions(shape=shape, node_budget=self.node_budget, max_depth=self.max_depth,
+        return pb.DraftOptions(shape=self.tree_shape, node_budget=self.node_budget, max_depth=self.max_depth,
                                draft_ahead=self.draft_ahead)
 
 
@@ -54,6 +59,13 @@ class RequestSpec:
     # of the request that had it before (whose Release may not have been served yet), and the
     # front files no late event of that request under the new one
     admission: str = field(default_factory=lambda: secrets.token_hex(4))
+
+    @property
+    def regime(self) -> Regime:
+        """What its acceptance and drafting cost depend on besides the text (`adaptive.Regime`):
+        the tree shape it drafts and its temperature band."""
+        temperature = 0.0 if self.sampling.greedy else self.sampling.temperature
+        return Regime(self.speculation.tree_shape, temperature_band(temperature))
 
 
 # Finish reasons on the engine side (the front maps them to pb.FinishReason).

@@ -1,12 +1,20 @@
 """The adaptive speculation policy on simulated costs and acceptance."""
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
 
-from orchestrator.adaptive import (LEARNING_STEPS, AcceptanceTable, AdaptivePolicy, CostModel, FixedPolicy,
-                                   allowed_budgets)
+from orchestrator.adaptive import (LEARNING_STEPS, OVERHEAD_WINDOW, PLAIN, AcceptanceTable, AdaptivePolicy, CostModel, FixedPolicy,
+                                   Regime, allowed_budgets, temperature_band)
+
+REGIME = AdaptivePolicy(cap=1).regime  # a policy's regime unless it is given one
+
+
+def drafted_if(speculative: bool) -> tuple:
+    """What `CostModel.observe` is told of a step: the regime that drafted in it, or none."""
+    return (REGIME,) if speculative else ()
 
 
 def test_allowed_budgets():
@@ -18,7 +26,7 @@ def test_allowed_budgets():
 def test_cost_model_fits_intercept_and_slope():
     cost = CostModel()
     for n in [1, 2, 4, 8, 16, 32] * 5:
-        cost.observe(n, 3.0 + 0.25 * n, 3.5 + 0.25 * n, speculative=n > 1)
+        cost.observe(n, 3.0 + 0.25 * n, 3.5 + 0.25 * n, drafted=drafted_if(n > 1))
     a, c = cost.fit()
     assert a == pytest.approx(3.0, abs=1e-6) and c == pytest.approx(0.25, abs=1e-6)
     assert cost.step_ms(10, True) == pytest.approx(3.0 + 2.5 + 0.5, abs=1e-3)
@@ -27,7 +35,7 @@ def test_cost_model_fits_intercept_and_slope():
 def test_cost_model_is_flat_until_nodes_vary():
     cost = CostModel()
     for _ in range(5):
-        cost.observe(4, 10.0, 11.0, speculative=True)
+        cost.observe(4, 10.0, 11.0, drafted=drafted_if(True))
     assert cost.fit() == (pytest.approx(10.0), 0.0)
 
 
@@ -40,7 +48,7 @@ def simulate(tau, forward, steps=400, batch=1, cap=32, seed=0, overhead=0.3, dra
     rng = random.Random(seed)
     cost = CostModel()
     for _ in range(warm_plain):
-        cost.observe(batch, forward(batch), forward(batch) + overhead, speculative=False)
+        cost.observe(batch, forward(batch), forward(batch) + overhead, drafted=drafted_if(False))
     shared = AcceptanceTable()
     policies = [AdaptivePolicy(cap=cap, phase=i) for i in range(batch)]
     last_nodes, last_tokens = [1] * batch, [1] * batch
@@ -51,7 +59,7 @@ def simulate(tau, forward, steps=400, batch=1, cap=32, seed=0, overhead=0.3, dra
                    for i, p in enumerate(policies)]
         nodes = sum(budgets)
         ms = forward(nodes) + overhead + (draft_overhead or 0.0) * (nodes > batch)
-        cost.observe(nodes, forward(nodes), ms, speculative=nodes > batch)
+        cost.observe(nodes, forward(nodes), ms, drafted=drafted_if(nodes > batch))
         for i, (p, b) in enumerate(zip(policies, budgets)):
             mean = tau(b)
             emitted = max(1, min(b, int(mean) + (rng.random() < mean - int(mean))))
@@ -167,13 +175,81 @@ def test_a_dear_drafter_on_a_fresh_engine_turns_speculation_off():
     assert steady > 0.9 * plain_rate(forward) and rate > 0.85 * plain_rate(forward)
 
 
+def test_temperature_bands():
+    assert [temperature_band(t) for t in (0.0, 0.3, 0.5, 0.8, 1.0, 1.5, 100.0)] == [0, 1, 1, 2, 2, 3, 3]
+
+
+def test_overheads_are_kept_per_regime():
+    """A cheap drafter's steps (n-gram) do not price a dear one's (a sampled draft model), nor plain
+    steps either; a step drafted by two regimes counts for both; a kind never measured is priced
+    like the cheapest measured."""
+    ngram, model = Regime(4, 2), Regime(3, 2)
+    cost = CostModel()
+    assert cost.overhead_ms(PLAIN) == 0.0 and not cost.measured(PLAIN)
+    for _ in range(5):
+        cost.observe(16, 2.0, 2.5, drafted=(ngram,))
+        cost.observe(16, 2.0, 7.0, drafted=(model,))
+        cost.observe(1, 1.0, 1.3)
+    assert cost.overhead_ms(ngram) == pytest.approx(0.5) and cost.overhead_ms(model) == pytest.approx(5.0)
+    assert cost.overhead_ms(PLAIN) == pytest.approx(0.3) and cost.measured(PLAIN)
+    assert cost.overhead_ms(Regime(1, 0)) == pytest.approx(0.3)  # never measured: the cheapest kind's
+    for _ in range(OVERHEAD_WINDOW):
+        cost.observe(32, 3.0, 9.0, drafted=(ngram, model))
+    assert cost.overhead_ms(ngram) == cost.overhead_ms(model) == pytest.approx(6.0)
+    assert cost.speculative_steps == 10 + OVERHEAD_WINDOW
+    assert set(cost.overheads()) == {ngram, model, PLAIN}
+
+
+def run_regimes(phases, length=120, overhead=0.3, seed=0):
+    """Requests of one regime after another on one engine (its cost model and per-regime
+    acceptance tables shared), batch 1. phases: (regime, requests, tau, forward, draft_overhead,
+    budget: 0 for the adaptive policy, else that fixed budget). Returns each phase's tokens per ms
+    as a multiple of plain decoding's."""
+    rng = random.Random(seed)
+    cost, shared = CostModel(), collections.defaultdict(AcceptanceTable)
+    rates = []
+    for regime, requests, tau, forward, draft_overhead, fixed in phases:
+        tokens = time = 0.0
+        for r in range(requests):
+            policy = AdaptivePolicy(cap=16, phase=r, regime=regime)
+            made = 0
+            while made < length:
+                b = fixed or policy.choose(cost, 0, shared[regime], 0.0)
+                ms = forward(b) + overhead + draft_overhead * (b > 1)
+                cost.observe(b, forward(b), ms, drafted=(regime,) if b > 1 else ())
+                mean = tau(b)
+                emitted = max(1, min(b, int(mean) + (rng.random() < mean - int(mean))))
+                if b > 1:
+                    policy.observe(b, emitted, shared[regime])
+                made += emitted
+                tokens += emitted
+                time += ms
+        rates.append(tokens / time * (forward(1) + overhead))
+    return rates
+
+
+def test_a_cheap_drafters_steps_do_not_make_a_dear_one_look_cheap():
+    """The demo pair at temperature 1 as a GPU measured it (`bench e2e`): fixed n-gram trees (cheap
+    to draft, nearly nothing accepted), then default requests on the draft model (4.4 ms of
+    drafting a tree, about 2.4 tokens). With one overhead for every speculative step, the default
+    requests' probes were priced at the n-gram steps' overhead and taken (0.83x plain here)."""
+    def forward(n):
+        return 0.8 + 0.06 * n
+
+    plain = (Regime(0, 2), 4, lambda b: 1.0, forward, 0.0, 1)
+    ngram = (Regime(4, 2), 4, lambda b: 1.09, forward, 0.1, 16)
+    model = (Regime(0, 2), 4, lambda b: 1 + 1.5 * (1 - 0.8 ** (b - 1)), forward, 4.4, 0)
+    *_, rate = run_regimes([plain, ngram, model])
+    assert rate > 0.86
+
+
 def test_probes_neighbours_when_off():
     """Off (budget 2 measured useless): probes every `probe_every` steps, at the best budget
     above 1 (all equal here, so the cheapest)."""
     policy = AdaptivePolicy(cap=16, probe_every=8, warmup=0)
     cost = CostModel()
-    cost.observe(1, 5.0, 5.0, speculative=False)
-    cost.observe(1, 5.0, 5.0, speculative=False)
+    cost.observe(1, 5.0, 5.0, drafted=drafted_if(False))
+    cost.observe(1, 5.0, 5.0, drafted=drafted_if(False))
     policy.observe(2, 1)
     picks = [policy.choose(cost) for _ in range(32)]
     assert picks.count(2) == 4 and picks.count(1) == 28
@@ -183,7 +259,7 @@ def test_probes_the_most_promising_tree_when_off():
     policy = AdaptivePolicy(cap=16, probe_every=4, warmup=0)
     cost = CostModel()
     for n, spec in [(1, False), (1, False), (8, True), (8, True)]:
-        cost.observe(n, 5.0, 5.0 + (40.0 if spec else 0.0), speculative=spec)
+        cost.observe(n, 5.0, 5.0 + (40.0 if spec else 0.0), drafted=drafted_if(spec))
     # still learning (fewer than LEARNING_STEPS speculative steps): every probe is free, so this test
     # is about which tree, not how often
     policy.observe(2, 1)
@@ -197,9 +273,9 @@ def test_probes_spend_at_most_the_explore_share():
     makes in 20): over 2000 plain steps of 5 ms the probes lose about 5% of the time."""
     policy = AdaptivePolicy(cap=8, probe_every=2, warmup=0)
     cost = CostModel()
-    cost.observe(1, 5.0, 5.0, speculative=False)
+    cost.observe(1, 5.0, 5.0, drafted=drafted_if(False))
     for _ in range(LEARNING_STEPS):  # past learning: from here on probes spend credit
-        cost.observe(8, 5.0, 45.0, speculative=True)
+        cost.observe(8, 5.0, 45.0, drafted=drafted_if(True))
     policy.observe(8, 4)
     probes = 0
     for _ in range(2000):
@@ -207,9 +283,9 @@ def test_probes_spend_at_most_the_explore_share():
         if b == 8:
             probes += 1
             policy.observe(8, 4)
-            cost.observe(8, 5.0, 45.0, speculative=True)
+            cost.observe(8, 5.0, 45.0, drafted=drafted_if(True))
         else:
-            cost.observe(1, 5.0, 5.0, speculative=False)
+            cost.observe(1, 5.0, 5.0, drafted=drafted_if(False))
     lost = probes * 25.0
     elapsed = 2000 * 5.0 + probes * 40.0
     assert probes > 0  # speculation is still re-checked now and then
@@ -225,7 +301,7 @@ def run_requests(tau, forward, requests=40, length=120, overhead=0.3, draft_over
     rng = random.Random(seed)
     cost, shared = CostModel(), AcceptanceTable()
     for _ in range(warm_plain):
-        cost.observe(1, forward(1), forward(1) + overhead, speculative=False)
+        cost.observe(1, forward(1), forward(1) + overhead, drafted=drafted_if(False))
     tokens = time = 0.0
     drafted = 0
     for r in range(requests):
@@ -236,7 +312,7 @@ def run_requests(tau, forward, requests=40, length=120, overhead=0.3, draft_over
             ms = forward(b) + overhead + draft_overhead * (b > 1)
             if b > 1 and drafted < len(stalls):
                 ms += stalls[drafted]
-            cost.observe(b, forward(b), ms, speculative=b > 1)
+            cost.observe(b, forward(b), ms, drafted=drafted_if(b > 1))
             mean = tau(b)
             emitted = max(1, min(b, int(mean) + (rng.random() < mean - int(mean))))
             if b > 1:
@@ -258,7 +334,7 @@ def test_a_dear_neighbour_does_not_block_the_other():
         return 5.0 + 2.0 * n
 
     for n in (1, 4, 8, 16) * LEARNING_STEPS:  # past learning, the slope known
-        cost.observe(n, forward(n), forward(n), speculative=n > 1)
+        cost.observe(n, forward(n), forward(n), drafted=drafted_if(n > 1))
     cost.credit = 0.0
     policy.observe(4, 2)  # 2 tokens in 13 ms: a probe loses about 2.5 ms against 8
     policy.observe(8, 4)  # the best: 4 tokens in 21 ms
@@ -266,7 +342,7 @@ def test_a_dear_neighbour_does_not_block_the_other():
     picks = []
     for _ in range(40):
         picks.append(policy.choose(cost))
-        cost.observe(picks[-1], forward(picks[-1]), forward(picks[-1]), speculative=picks[-1] > 1)
+        cost.observe(picks[-1], forward(picks[-1]), forward(picks[-1]), drafted=drafted_if(picks[-1] > 1))
     assert picks.count(4) >= 8 and 16 not in picks
 
 
@@ -277,13 +353,13 @@ def test_a_probe_dearer_than_the_credit_can_hold_is_still_taken_now_and_then():
     policy = AdaptivePolicy(cap=8, probe_every=2, warmup=0)
     cost = CostModel()
     for _ in range(LEARNING_STEPS):
-        cost.observe(8, 5.0, 405.0, speculative=True)
+        cost.observe(8, 5.0, 405.0, drafted=drafted_if(True))
     policy.observe(8, 4)
     probes = 0
     for _ in range(6000):
         if policy.choose(cost) == 8:
             probes += 1
-        cost.observe(1, 5.0, 5.0, speculative=False)
+        cost.observe(1, 5.0, 5.0, drafted=drafted_if(False))
     assert cost.earned * 0.99 < cost.explore * 5.0 / (1 - cost.credit_decay) < 400.0  # the level
     assert 2 <= probes <= 4  # about one every 2,300 steps: the credit refills to 90% of its level
 
@@ -333,7 +409,7 @@ def test_stalls_of_the_first_drafted_steps_do_not_keep_speculation_off():
 def test_starts_at_the_start_budget_on_a_warm_engine():
     cost = CostModel()
     for _ in range(20):
-        cost.observe(1, 5.0, 5.5, speculative=False)
+        cost.observe(1, 5.0, 5.5, drafted=drafted_if(False))
     assert AdaptivePolicy(cap=32, start=8).choose(cost, shared=AcceptanceTable()) == 8
     shared = AcceptanceTable()
     shared.observe(8, 1)  # other requests measured that drafting is useless here

@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adaptive", action="store_true", help="adaptive budget with an explicit --speculation mode")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     # a client's only: the servers started beside it (`serve`'s children) must not pick it up
-    p.add_argument("--auth-token", type=token_argument, default=os.environ.get(AUTH_TOKEN_ENV) or None, metavar="TOKEN",
+    p.add_argument("--auth-token", type=token_argument, default=None, metavar="TOKEN",
                    help=f"send 'authorization: Bearer TOKEN' (default: ${AUTH_TOKEN_ENV}; a flag shows in `ps`)")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
 
@@ -53,9 +53,23 @@ def token_ids(text: str) -> list[int]:
     return ids
 
 
+def auth_token(args: argparse.Namespace) -> str | None:
+    """--auth-token, else $TREESERVE_AUTH_TOKEN (refused like a bad flag: ArgumentTypeError), else
+    None."""
+    if args.auth_token is not None:
+        return args.auth_token
+    env = os.environ.get(AUTH_TOKEN_ENV)
+    return token_argument(env) if env else None
+
+
 def run(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.tokens is None):
         print("treeserve generate: give a prompt or --tokens", file=sys.stderr)
+        return 2
+    try:
+        token = auth_token(args)
+    except argparse.ArgumentTypeError as exc:  # named as the variable: no flag was given
+        print(f"treeserve generate: ${AUTH_TOKEN_ENV} {exc}", file=sys.stderr)
         return 2
     prompt = args.prompt if args.tokens is None else args.tokens
     req = request(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -72,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     try:
-        with GenerationClient(args.address, args.auth_token) as client:
+        with GenerationClient(args.address, token) as client:
             res = client.generate(req, timeout=args.timeout, on_message=show)
     except grpc.RpcError as exc:
         print(f"\ntreeserve generate: {exc.code().name}: {exc.details()}", file=sys.stderr)

@@ -118,7 +118,18 @@ def test_generate_takes_its_token_from_the_environment(monkeypatch):
         return p.parse_args(list(argv))
 
     monkeypatch.delenv(cli_generate.AUTH_TOKEN_ENV, raising=False)
-    assert parse_generate("hi").auth_token is None
+    assert cli_generate.auth_token(parse_generate("hi")) is None
     monkeypatch.setenv(cli_generate.AUTH_TOKEN_ENV, "s3cret")
-    assert parse_generate("hi").auth_token == "s3cret"
-    assert parse_generate("hi", "--auth-token", "other").auth_token == "other"
+    assert cli_generate.auth_token(parse_generate("hi")) == "s3cret"
+    assert cli_generate.auth_token(parse_generate("hi", "--auth-token", "other")) == "other"
+
+
+def test_generate_names_the_variable_that_holds_a_bad_token(monkeypatch, capsys):
+    from orchestrator import cli_generate
+
+    p = argparse.ArgumentParser()
+    cli_generate.add_arguments(p)
+    monkeypatch.setenv(cli_generate.AUTH_TOKEN_ENV, "two words")
+    assert cli_generate.run(p.parse_args(["hi", "--address", "127.0.0.1:1"])) == 2
+    err = capsys.readouterr().err
+    assert f"${cli_generate.AUTH_TOKEN_ENV} must be visible ASCII" in err and "--auth-token" not in err

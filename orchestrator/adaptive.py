@@ -21,23 +21,29 @@ a token of another sequence, and the same formula turns speculation off.
 - step_ms(n) = forward_ms(n) + overhead: the verifier's forward time is fitted as a + c * n over
   the nodes of the whole batch (least squares with forgetting), so large batches, where every
   extra node costs real compute, naturally push the choice towards 1; the overhead (drafting,
-  RPCs) is the median of the last `OVERHEAD_WINDOW` steps' overheads of its kind: plain steps (no
-  draft asked for) apart from the speculative steps of each regime (a sampled draft-model tree
-  costs its drafter several times an n-gram tree), a step being of every regime that asked for a
-  draft in it. A median, because a one-off stall (a drafter compiling or capturing a new shape
-  takes up to a second) must not make speculation look hopeless for the hundreds of steps it would
-  take to be probed away. A kind never measured is priced like the cheapest measured one.
+  RPCs) is the median of the last `OVERHEAD_WINDOW` steps' overheads of its kind: the set of
+  regimes that asked for drafts in it (none: a plain step; a sampled draft-model tree costs its
+  drafter several times an n-gram tree, and a step of both costs more than either). A median,
+  because a one-off stall (a drafter compiling or capturing a new shape takes up to a second) must
+  not make speculation look hopeless for the hundreds of steps it would take to be probed away. A
+  kind never seen is priced like the dearest of its regimes seen alone, else like the cheapest
+  kind seen.
 - Every `probe_every` steps the request may try a neighbour of its best budget (alternately one
   larger and one smaller) so the estimates stay current; while speculation is off it tries the
   best-scoring budget above 1 instead, because drafting has a fixed cost per step (a drafter
   RPC, a draft-model forward per tree level): budget 2 may not pay where 8 does, so probing only
-  2 could keep speculation off for good. While the engine has not verified a plain step (every
-  request so far speculated), a probe is a plain step instead: until then plain decoding is priced
-  with a speculative step's overhead, drafting included, and could never win against an expensive
-  drafter. During the first `warmup` steps the cadence is every
+  2 could keep speculation off for good. During the first `warmup` steps the cadence is every
   other step: until the batch has verified different node counts the cost slope is unknown
   (assumed flat). Each request probes at its own `phase`, so a large batch does not probe all at
   once.
+- In a batch each request weighs its tree against the rest of the batch as the last step had it
+  (`choose_for_batch`). Where the others draft anyway, the drafter's cost looks already paid to
+  each, so a batch whose requests all draft would never turn a dear drafter off: the batch's own
+  check (`batch_turns_off`) turns every settled request's drafting off (not a probe, not a pinned
+  budget) when the step is expected to emit more a millisecond without it; and once, to measure
+  it, when a step without it has never been seen (until then it is priced with the drafting
+  overhead, and on an engine whose requests all speculated from the start, plain decoding could
+  never win against an expensive drafter).
 - A probe is taken only when the engine can afford it (`CostModel.afford`). Every step the engine
   verifies earns credit, `explore` times its measured time; a probe spends its estimated loss
   against the best budget: its step time less the time the best budget needs for the tokens the
@@ -63,7 +69,8 @@ from typing import Collection, Hashable, NamedTuple
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)
 # upper ends of the temperature bands (greedy, then sampled at up to 0.5, up to 1, above 1)
 TEMPERATURE_BANDS = (0.0, 0.5, 1.0)
-PLAIN = "plain"  # the kind of a step that asked the drafter for nothing
+PLAIN = frozenset()  # the kind of a step that asked the drafter for nothing (see CostModel)
+MAX_KINDS = 64  # step kinds whose overheads a cost model keeps (the least recently seen go first)
 OVERHEAD_WINDOW = 16  # steps whose overheads (outside the forward) give the median
 LEARNING_STEPS = OVERHEAD_WINDOW  # speculative steps an engine verifies before probes spend its credit
 SATURATED = 0.9  # share of its level at which the credit pays for any one probe
@@ -72,15 +79,90 @@ SATURATED = 0.9  # share of its level at which the credit pays for any one probe
 class Regime(NamedTuple):
     """What a request's acceptance and drafting cost depend on besides its text. shape: the tree
     shape it asks the drafter for (a TreeShape value; 0, the drafter's default, is its own);
-    band: its temperature's band (`temperature_band`)."""
+    band: its temperature's band (`temperature_band`); ahead: whether the drafter prepares its
+    trees ahead (draft-ahead: most of the drafting off the step's path)."""
 
     shape: int
     band: int
+    ahead: bool = False
 
 
 def temperature_band(temperature: float) -> int:
     """0 for greedy (pass 0.0), then 1, 2, ... by the upper ends in TEMPERATURE_BANDS."""
     return next((i for i, top in enumerate(TEMPERATURE_BANDS) if temperature <= top), len(TEMPERATURE_BANDS))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One request's part in the next step: the `nodes` it verifies (1: no draft), the `tokens` it
+    is expected to emit, the regime it drafts in (None: it asks for no draft), and whether it is
+    `settled` (an adaptive request's best choice by the estimates, which the batch may overrule)."""
+
+    nodes: int
+    tokens: float
+    drafts: Hashable | None
+    settled: bool
+
+
+def batch_ms(cost: "CostModel", plans: list[Plan]) -> float:
+    drafted = {p.drafts for p in plans if p.drafts is not None}
+    return max(1e-6, cost.step_ms(sum(p.nodes for p in plans), drafted))
+
+
+@dataclass(frozen=True)
+class Seat:
+    """A request's place in a step, for `choose_for_batch`: its `policy` (None: speculation off),
+    its `regime` and its regime's `shared` acceptance, what it verified and emitted at the last
+    step, and whether it asked for a draft then."""
+
+    policy: object  # AdaptivePolicy, FixedPolicy or None
+    regime: Hashable
+    shared: "AcceptanceTable | None"
+    last_nodes: int = 1
+    last_tokens: int = 1
+    drafted: bool = False
+
+
+def choose_for_batch(cost: "CostModel", seats: list[Seat]) -> list[int]:
+    """The budgets of a batch's next trees (1: no draft; 0: the drafter's default). Each policy
+    chooses against the rest of the batch as the last step had it; then, if the batch emits more a
+    millisecond with every settled request's drafting off, those are turned off
+    (`batch_turns_off`)."""
+    drafted = collections.Counter(s.regime for s in seats if s.drafted)
+    nodes, tokens = sum(s.last_nodes for s in seats), sum(s.last_tokens for s in seats)
+    budgets, plans = [], []
+    for s in seats:
+        if s.policy is None:
+            budgets.append(1)
+            plans.append(Plan(1, 1.0, None, False))
+            continue
+        others = drafted.copy()
+        if s.drafted:
+            others[s.regime] -= 1
+        budget = s.policy.choose(cost, nodes - s.last_nodes, s.shared, tokens - s.last_tokens, frozenset(+others))
+        size = budget or s.last_nodes  # the drafter's default budget: as many nodes as its last tree
+        drafts = budget != 1
+        budgets.append(budget)
+        plans.append(Plan(size, s.policy.estimate(size, s.shared) if drafts else 1.0, s.regime if drafts else None,
+                          s.policy.settled))
+    if batch_turns_off(cost, plans):
+        budgets = [1 if p.settled else b for b, p in zip(budgets, plans)]
+    return budgets
+
+
+def batch_turns_off(cost: "CostModel", plans: list[Plan]) -> bool:
+    """Whether the next step emits more tokens a millisecond with every settled request's drafting
+    off. Each request weighs its own tree against the rest of the batch as it is, so when all of
+    them draft, the drafter's cost looks already paid to each and no one turns it off, though the
+    batch would be faster without it."""
+    if not any(p.settled and p.drafts is not None for p in plans):
+        return False
+    off = [Plan(1, 1.0, None, False) if p.settled else p for p in plans]
+    if not cost.measured({p.drafts for p in off if p.drafts is not None}):
+        # such a step (plain, or only the pinned and probing requests drafting) is priced like one
+        # with drafts (`overhead_ms`) until one is seen, and could never win: one step measures it
+        return True
+    return sum(p.tokens for p in off) / batch_ms(cost, off) > sum(p.tokens for p in plans) / batch_ms(cost, plans)
 
 
 def allowed_budgets(cap: int) -> tuple[int, ...]:
@@ -113,9 +195,9 @@ class CostModel:
     _nn: float = 0.0
     _y: float = 0.0
     _ny: float = 0.0
-    # step kind (PLAIN or a Regime) -> the overheads of its last OVERHEAD_WINDOW steps
-    _overheads: dict = field(default_factory=lambda: collections.defaultdict(
-        lambda: collections.deque(maxlen=OVERHEAD_WINDOW)))
+    # step kind (the frozenset of the regimes that drafted in it; PLAIN: none) -> the overheads of
+    # its last OVERHEAD_WINDOW steps, the least recently seen kind first
+    _overheads: collections.OrderedDict = field(default_factory=collections.OrderedDict)
     # the medians of `_overheads`, kept up to date by `observe` (read a few times per request per step)
     _overhead_ms: dict = field(default_factory=dict)
     speculative_steps: int = 0
@@ -132,11 +214,14 @@ class CostModel:
         self._ny = d * self._ny + nodes * forward_ms
         self.credit = self.credit_decay * self.credit + self.explore * step_ms
         self.earned = self.credit_decay * self.earned + self.explore * step_ms
-        for kind in drafted or (PLAIN,):
-            recent = self._overheads[kind]
-            recent.append(max(0.0, step_ms - forward_ms))
-            self._overhead_ms[kind] = statistics.median(recent)
-        self.speculative_steps += int(bool(drafted))
+        kind = frozenset(drafted)
+        recent = self._overheads.pop(kind, None) or collections.deque(maxlen=OVERHEAD_WINDOW)
+        self._overheads[kind] = recent
+        recent.append(max(0.0, step_ms - forward_ms))
+        self._overhead_ms[kind] = statistics.median(recent)
+        if len(self._overheads) > MAX_KINDS:
+            del self._overhead_ms[self._overheads.popitem(last=False)[0]]
+        self.speculative_steps += int(bool(kind))
 
     def fit(self) -> tuple[float, float]:
         """(a, c): intercept and ms per node, both >= 0. Flat (c = 0) until nodes vary."""
@@ -164,23 +249,31 @@ class CostModel:
         self.credit = max(0.0, self.credit - max(0.0, loss_ms))
         return True
 
-    def measured(self, kind: Hashable) -> bool:
-        """Whether a step of this kind (PLAIN or a Regime) has been observed."""
-        return kind in self._overhead_ms
+    def measured(self, drafted: Collection[Hashable]) -> bool:
+        """Whether a step in which exactly the `drafted` regimes drafted (none: plain) was seen."""
+        return frozenset(drafted) in self._overhead_ms
 
-    def overhead_ms(self, kind: Hashable) -> float:
-        """Median time outside the forward of the last `OVERHEAD_WINDOW` steps of this kind (PLAIN
-        or a Regime); never measured: the cheapest measured kind's (a probe corrects it); none: 0."""
+    def overhead_ms(self, drafted: Collection[Hashable] = ()) -> float:
+        """Median time outside the forward of the last `OVERHEAD_WINDOW` steps in which exactly the
+        `drafted` regimes drafted (none: plain steps). Never seen: the dearest of those regimes
+        alone, where any was seen; else the cheapest kind seen (a probe corrects it); none: 0."""
+        kind = frozenset(drafted)
         if kind in self._overhead_ms:
             return self._overhead_ms[kind]
+        alone = [self._overhead_ms[frozenset((k,))] for k in kind if frozenset((k,)) in self._overhead_ms]
+        if alone:
+            return max(alone)
         return min(self._overhead_ms.values(), default=0.0)
 
     def overheads(self) -> dict:
-        """Step kind (PLAIN or a Regime) -> its median overhead in ms, for every kind measured."""
+        """Step kind (the frozenset of regimes that drafted; PLAIN: none) -> its median overhead in
+        ms, for every kind measured."""
         return dict(self._overhead_ms)
 
-    def step_ms(self, nodes: int, kind: Hashable) -> float:
-        return self.forward_ms(nodes) + self.overhead_ms(kind)
+    def step_ms(self, nodes: int, drafted: Collection[Hashable] = ()) -> float:
+        """A step of `nodes` in which requests of the `drafted` regimes ask for drafts (none: a plain
+        step)."""
+        return self.forward_ms(nodes) + self.overhead_ms(drafted)
 
 
 @dataclass
@@ -214,6 +307,7 @@ class AdaptivePolicy:
     table: AcceptanceTable = field(default_factory=AcceptanceTable)
     steps: int = 0
     best: int = 0
+    settled: bool = False
     _probe_up: bool = True
 
     def __post_init__(self):
@@ -230,31 +324,29 @@ class AdaptivePolicy:
         return max(smaller) if smaller else 1.0
 
     def choose(self, cost: CostModel, other_nodes: int = 0, shared: AcceptanceTable | None = None,
-               other_tokens: float = 0.0) -> int:
-        """Budget for this request's next tree. `other_nodes` / `other_tokens`: what the rest of
-        the batch verifies / emits per step."""
+               other_tokens: float = 0.0, other_drafted: frozenset = frozenset()) -> int:
+        """Budget for this request's next tree. `other_nodes` / `other_tokens` / `other_drafted`:
+        what the rest of the batch verifies / emits per step, and the regimes of those of its
+        requests that ask for drafts. Sets `settled`: the choice is the best by the estimates (not
+        the start budget, not a probe)."""
         self.steps += 1
+        self.settled = False
         if not self.table.tau and (shared is None or not shared.tau):
             self.best = self.start
             return self.start
-        speculative = other_nodes > other_tokens  # does the rest of the batch speculate?
-
-        times = {b: max(1e-6, cost.step_ms(other_nodes + b, self.regime if speculative or b > 1 else PLAIN))
-                 for b in self.budgets}
+        mine = other_drafted | {self.regime}
+        times = {b: max(1e-6, cost.step_ms(other_nodes + b, mine if b > 1 else other_drafted)) for b in self.budgets}
         tokens = {b: self.estimate(b, shared) + other_tokens for b in self.budgets}
         scores = {b: tokens[b] / times[b] for b in self.budgets}
         rank = lambda b: (scores[b], -b)  # the best score; on a tie, the smaller budget
         self.best = max(self.budgets, key=rank)
         every = 2 if self.steps <= self.warmup else self.probe_every
         if every and (self.steps + self.phase) % every == 0 and len(self.budgets) > 1:
-            if self.best != 1 and not speculative and not cost.measured(PLAIN):
-                # plain steps are priced with the speculative steps' overhead (drafting included)
-                # until one is measured, so plain could never win: one plain step measures it
-                return 1
             # off: re-check the most promising tree, not just the smallest
             probe = max(self.budgets[1:], key=rank) if self.best == 1 else self._neighbour(self.best)
             if cost.afford(times[probe] - tokens[probe] / scores[self.best]):
                 return probe
+        self.settled = True
         return self.best
 
     def _neighbour(self, b: int) -> int:
@@ -279,10 +371,14 @@ class FixedPolicy:
     """Always the same budget (0: the drafter's default; 1: no speculation)."""
 
     budget: int
+    settled = False  # never turned off for the batch's sake (`batch_turns_off`): the client chose
 
     def choose(self, cost: CostModel, other_nodes: int = 0, shared: AcceptanceTable | None = None,
-               other_tokens: float = 0.0) -> int:
+               other_tokens: float = 0.0, other_drafted: frozenset = frozenset()) -> int:
         return self.budget
+
+    def estimate(self, budget: int, shared: AcceptanceTable | None) -> float:
+        return (shared.get(budget) if shared is not None else None) or 1.0
 
     def observe(self, budget: int, emitted: int, shared: AcceptanceTable | None = None) -> None:
         if shared is not None and budget > 1:

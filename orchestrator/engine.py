@@ -40,7 +40,8 @@ from typing import Iterable, Optional
 
 import grpc
 
-from orchestrator.adaptive import PLAIN, AcceptanceTable, AdaptivePolicy, CostModel, FixedPolicy, Regime
+from orchestrator.adaptive import (AcceptanceTable, AdaptivePolicy, CostModel, FixedPolicy, Regime, Seat,
+                                   choose_for_batch)
 from orchestrator.draft_link import DraftLink
 from orchestrator.request import CANCELLED, Event, RequestSpec, RequestState
 from orchestrator.steps import accept, advance, fit_tree, in_original, take_output, tree_limits
@@ -258,11 +259,10 @@ class Endings:
             self._outbox.put(front, [last])
 
 
-def _kind_fields(kind) -> dict:
-    """A step kind of the cost model (PLAIN or a Regime) as stats fields."""
-    if kind == PLAIN:
-        return {"shape": PLAIN}
-    return {"shape": pb.TreeShape.Name(kind.shape), "temperature_band": kind.band}
+def _regime_fields(regime: Regime) -> dict:
+    """A regime as stats fields (a shape outside the enum, which the front refuses, by number)."""
+    shape = pb.TreeShape.Name(regime.shape) if regime.shape in pb.TreeShape.values() else regime.shape
+    return {"shape": shape, "temperature_band": regime.band, "draft_ahead": regime.ahead}
 
 
 def make_policy(spec: RequestSpec, info: VerifierInfo, phase: int = 0):
@@ -370,10 +370,12 @@ class Engine:
         a, c = self.cost.fit()
         out = {"name": self.name, "verifier": self.config.verifier, "load": self._count, "steps": self.steps,
                "down": self._down_since is not None, "forward_ms_intercept": a, "forward_ms_per_node": c,
-               # per regime: tokens a step by budget; per step kind: the median time outside the
-               # forward (list() and dict() copy at once, while the loop may add a regime)
-               "acceptance": [dict(_kind_fields(k), tau=dict(t.tau)) for k, t in list(self.shared.items())],
-               "step_overhead_ms": [dict(_kind_fields(k), ms=ms) for k, ms in self.cost.overheads().items()],
+               # per regime: tokens a step by budget; per step kind (the regimes that drafted in it,
+               # none: plain) the median time outside the forward (list() and dict() copy at once,
+               # while the loop may add one)
+               "acceptance": [dict(_regime_fields(k), tau=dict(t.tau)) for k, t in list(self.shared.items())],
+               "step_overhead_ms": [{"drafted": [_regime_fields(r) for r in sorted(kind)], "ms": ms}
+                                    for kind, ms in self.cost.overheads().items()],
                "info": self.info.__dict__,
                # what steps are sent with: VerifyStream until the verifier says it has none
                "verify_rpc": "Verify" if self._stream is None else "VerifyStream",
@@ -465,7 +467,7 @@ class Engine:
         t0 = time.perf_counter()
         # the step's kind for the cost model: the regimes that asked for a draft (and waited on it,
         # whether a tree came or not)
-        drafted = {r.spec.regime for r in batch if r.awaiting_draft}
+        asked = [r for r in batch if r.awaiting_draft]
         trees = self._gather_trees(batch)
         items = []
         for r, tree in zip(batch, trees):
@@ -481,7 +483,7 @@ class Engine:
             return
         step_ms = (time.perf_counter() - t0) * 1e3
         nodes = sum(t.size for t in trees)
-        self.cost.observe(nodes, resp.forward_ms, step_ms, drafted)
+        self.cost.observe(nodes, resp.forward_ms, step_ms, {r.spec.regime for r in asked})
         self.steps += 1
         done = []  # (request, outcome in the drafter's node indices or None, tokens out, finish)
         for r, tree, res in zip(batch, trees, resp.results):
@@ -504,10 +506,7 @@ class Engine:
             r.last_nodes, r.last_tokens = tree.size, len(outcome.accepted_nodes)
             done.append((r, in_original(outcome, r.tree_map) if r.from_drafter else None, out, finish))
         # Next trees first (the drafter starts at once), then the client events.
-        tokens = sum(r.last_tokens for r, *_ in done)
-        for r, told, out, finish in done:
-            if finish is None:
-                self._request_draft(r, told, nodes - r.last_nodes, tokens - r.last_tokens)
+        self._request_drafts([(r, told) for r, told, _, finish in done if finish is None], asked)
         for r, _, out, finish in done:
             self._publish(r, r.next_event(tokens=tuple(out), tree_nodes=r.last_nodes, step_ms=step_ms, finish=finish))
 
@@ -546,11 +545,24 @@ class Engine:
             trees.append(tree)
         return trees
 
-    def _request_draft(self, r: RequestState, outcome: Outcome | None, other_nodes: int = 0,
-                       other_tokens: float = 0.0) -> None:
+    def _request_drafts(self, going: list[tuple[RequestState, Outcome | None]], asked: list[RequestState]) -> None:
+        """The next trees of a step's requests that go on (each with its outcome in the drafter's
+        node indices), their budgets chosen for the batch (`adaptive.choose_for_batch`; `asked`:
+        the requests that drafted in this step)."""
+        if self.link is None:
+            return
+        asking = {id(r) for r in asked}
+        seats = [Seat(r.policy if r.spec.speculation.enabled else None, r.spec.regime, self.shared[r.spec.regime],
+                      r.last_nodes, r.last_tokens, id(r) in asking) for r, _ in going]
+        for (r, told), budget in zip(going, choose_for_batch(self.cost, seats)):
+            self._request_draft(r, told, budget)
+
+    def _request_draft(self, r: RequestState, outcome: Outcome | None, budget: int | None = None) -> None:
+        """Ask for `r`'s next tree (budget None: the policy's choice as if `r` were alone)."""
         if self.link is None or not r.spec.speculation.enabled:
             return
-        budget = r.policy.choose(self.cost, other_nodes, self.shared[r.spec.regime], other_tokens)
+        if budget is None:
+            budget, = choose_for_batch(self.cost, [Seat(r.policy, r.spec.regime, self.shared[r.spec.regime])])
         max_nodes, max_depth = tree_limits(r, self.info.max_tree_nodes, self.info.max_sequence_length)
         if max_depth == 0 or budget == 1:
             r.budget = 1

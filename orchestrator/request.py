@@ -9,6 +9,7 @@ rebuilt from `tokens[:-1]` and any drafter from the same list.
 """
 from __future__ import annotations
 
+import functools
 import secrets
 from dataclasses import dataclass, field
 from typing import Optional
@@ -60,12 +61,12 @@ class RequestSpec:
     # front files no late event of that request under the new one
     admission: str = field(default_factory=lambda: secrets.token_hex(4))
 
-    @property
+    @functools.cached_property  # read a few times a step (a frozen dataclass keeps it all the same)
     def regime(self) -> Regime:
         """What its acceptance and drafting cost depend on besides the text (`adaptive.Regime`):
-        the tree shape it drafts and its temperature band."""
+        the tree shape it drafts, its temperature band, draft-ahead."""
         temperature = 0.0 if self.sampling.greedy else self.sampling.temperature
-        return Regime(self.speculation.tree_shape, temperature_band(temperature))
+        return Regime(self.speculation.tree_shape, temperature_band(temperature), self.speculation.draft_ahead)
 
 
 # Finish reasons on the engine side (the front maps them to pb.FinishReason).

@@ -53,15 +53,18 @@ def test_toy_runs_every_method_on_every_path(toy):
 
 
 def test_toy_engine_learns_each_regime_apart(toy):
-    """The gRPC rows share one engine: its acceptance and step overheads are kept per tree shape and
-    temperature band (a greedy draft-model tree says little about a sampled n-gram one)."""
+    """The gRPC rows share one engine: its acceptance and step overheads are kept per tree shape,
+    temperature band and draft-ahead (a greedy draft-model tree says little about a sampled n-gram
+    one)."""
     _, _, result = toy
-    learnt = {(a["shape"], a["temperature_band"]): a["tau"] for a in result["engine"]["acceptance"]}
+    learnt = {(a["shape"], a["temperature_band"], a["draft_ahead"]): a["tau"] for a in result["engine"]["acceptance"]}
     shapes = ("TREE_SHAPE_CHAIN", "TREE_SHAPE_DYNAMIC", "TREE_SHAPE_NGRAM", "TREE_SHAPE_UNSPECIFIED")
-    assert set(learnt) == {(s, band) for s in shapes for band in (0, 2)}, learnt  # T = 0 and T = 1
-    assert "7" in learnt["TREE_SHAPE_CHAIN", 0] and "16" in learnt["TREE_SHAPE_DYNAMIC", 2]
-    kinds = {(o["shape"], o.get("temperature_band")) for o in result["engine"]["step_overhead_ms"]}
-    assert ("plain", None) in kinds and ("TREE_SHAPE_DYNAMIC", 0) in kinds and ("TREE_SHAPE_DYNAMIC", 2) in kinds
+    regimes = {(s, band, False) for s in shapes for band in (0, 2)} | {("TREE_SHAPE_DYNAMIC", band, True) for band in (0, 2)}
+    assert set(learnt) == regimes, learnt  # T = 0 and T = 1
+    assert "7" in learnt["TREE_SHAPE_CHAIN", 0, False] and "16" in learnt["TREE_SHAPE_DYNAMIC", 2, False]
+    kinds = [[(d["shape"], d["temperature_band"], d["draft_ahead"]) for d in o["drafted"]]
+             for o in result["engine"]["step_overhead_ms"]]
+    assert [] in kinds and [("TREE_SHAPE_DYNAMIC", 0, False)] in kinds and [("TREE_SHAPE_DYNAMIC", 2, True)] in kinds
 
 
 def test_toy_rows_are_consistent(toy):

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from orchestrator.adaptive import (LEARNING_STEPS, OVERHEAD_WINDOW, PLAIN, AcceptanceTable, AdaptivePolicy, CostModel, FixedPolicy,
-                                   Regime, allowed_budgets, temperature_band)
+from orchestrator.adaptive import (LEARNING_STEPS, MAX_KINDS, OVERHEAD_WINDOW, PLAIN, AcceptanceTable, AdaptivePolicy, CostModel,
+                                   FixedPolicy, Regime, Seat, allowed_budgets, choose_for_batch, temperature_band)
 
 REGIME = AdaptivePolicy(cap=1).regime  # a policy's regime unless it is given one
 
@@ -29,7 +29,7 @@ def test_cost_model_fits_intercept_and_slope():
         cost.observe(n, 3.0 + 0.25 * n, 3.5 + 0.25 * n, drafted=drafted_if(n > 1))
     a, c = cost.fit()
     assert a == pytest.approx(3.0, abs=1e-6) and c == pytest.approx(0.25, abs=1e-6)
-    assert cost.step_ms(10, True) == pytest.approx(3.0 + 2.5 + 0.5, abs=1e-3)
+    assert cost.step_ms(10, drafted_if(True)) == pytest.approx(3.0 + 2.5 + 0.5, abs=1e-3)
 
 
 def test_cost_model_is_flat_until_nodes_vary():
@@ -55,8 +55,9 @@ def simulate(tau, forward, steps=400, batch=1, cap=32, seed=0, overhead=0.3, dra
     tokens = time = 0.0
     chosen, per_step = [], []
     for _ in range(steps):
-        budgets = [p.choose(cost, sum(last_nodes) - last_nodes[i], shared, sum(last_tokens) - last_tokens[i])
-                   for i, p in enumerate(policies)]
+        # as the engine chooses: each against the rest of the batch, then the batch's check
+        budgets = choose_for_batch(cost, [Seat(p, REGIME, shared, last_nodes[i], last_tokens[i], last_nodes[i] > 1)
+                                          for i, p in enumerate(policies)])
         nodes = sum(budgets)
         ms = forward(nodes) + overhead + (draft_overhead or 0.0) * (nodes > batch)
         cost.observe(nodes, forward(nodes), ms, drafted=drafted_if(nodes > batch))
@@ -175,14 +176,70 @@ def test_a_dear_drafter_on_a_fresh_engine_turns_speculation_off():
     assert steady > 0.9 * plain_rate(forward) and rate > 0.85 * plain_rate(forward)
 
 
+@pytest.mark.parametrize("batch", [2, 4])
+def test_a_dear_drafter_in_a_batch_turns_speculation_off(batch):
+    """Each request weighs its own tree against the rest of the batch, which drafts anyway: the
+    drafter's cost looked already paid to every one of them and speculation stayed on for good
+    (0.51-0.56x plain here) until the batch's own check (`batch_turns_off`)."""
+    def tau(b):
+        return 1 + 1.5 * (1 - 0.8 ** (b - 1))
+
+    def forward(n):
+        return 0.8 + 0.06 * n
+
+    rate, steady, chosen = simulate(tau, forward, overhead=0.3, draft_overhead=2.7, cap=16, batch=batch)
+    assert sum(b == 1 for b in chosen[-100:]) >= 90
+    assert steady > 0.85 * plain_rate(forward, batch) and rate > 0.8 * plain_rate(forward, batch)
+
+
+def test_a_batch_keeps_speculation_that_pays():
+    def tau(b):
+        return 1 + 3.0 * (1 - 0.75 ** (b - 1))
+
+    def forward(n):
+        return 2.4 + 0.005 * n
+
+    _, steady, chosen = simulate(tau, forward, overhead=0.3, draft_overhead=1.5, cap=16, batch=4)
+    assert all(b >= 4 for b in chosen[-100:]) and steady > 2.2 * plain_rate(forward, 4)
+
+
+def test_beside_a_pinned_cheap_drafter_a_dear_one_still_turns_off():
+    """A client pinned n-gram trees (cheap to draft, so the step asks the drafter anyway); the
+    default request beside it pays the draft model's dearer overhead for its own trees and turns
+    them off."""
+    ngram, model = Regime(4, 2), Regime(0, 2)
+    rng = random.Random(0)
+    cost, tables = CostModel(), {ngram: AcceptanceTable(), model: AcceptanceTable()}
+    pinned, default = FixedPolicy(16), AdaptivePolicy(cap=16, regime=model)
+    last = [(16, 1, True), (1, 1, False)]
+    tau = {ngram: lambda b: 1.09, model: lambda b: 1 + 1.5 * (1 - 0.8 ** (b - 1))}
+    chosen = []
+    for _ in range(600):
+        seats = [Seat(pinned, ngram, tables[ngram], *last[0]), Seat(default, model, tables[model], *last[1])]
+        budgets = choose_for_batch(cost, seats)
+        drafted = {s.regime for s, b in zip(seats, budgets) if b != 1}
+        nodes = sum(budgets)
+        forward = 0.8 + 0.06 * nodes
+        ms = forward + 0.3 + (2.7 if model in drafted else 0.1 if drafted else 0.0)
+        cost.observe(nodes, forward, ms, drafted=drafted)
+        for i, (s, b) in enumerate(zip(seats, budgets)):
+            mean = tau[s.regime](b)
+            emitted = max(1, min(b, int(mean) + (rng.random() < mean - int(mean))))
+            if b != 1:
+                s.policy.observe(b, emitted, s.shared)
+            last[i] = (b, emitted, b != 1)
+        chosen.append(budgets[1])
+    assert sum(b == 1 for b in chosen[-200:]) >= 180
+
+
 def test_temperature_bands():
     assert [temperature_band(t) for t in (0.0, 0.3, 0.5, 0.8, 1.0, 1.5, 100.0)] == [0, 1, 1, 2, 2, 3, 3]
 
 
 def test_overheads_are_kept_per_regime():
     """A cheap drafter's steps (n-gram) do not price a dear one's (a sampled draft model), nor plain
-    steps either; a step drafted by two regimes counts for both; a kind never measured is priced
-    like the cheapest measured."""
+    steps either; a step drafted by both is a kind of its own (until seen: priced like the dearer
+    alone); a kind never seen with none of its regimes seen alone is priced like the cheapest."""
     ngram, model = Regime(4, 2), Regime(3, 2)
     cost = CostModel()
     assert cost.overhead_ms(PLAIN) == 0.0 and not cost.measured(PLAIN)
@@ -190,14 +247,26 @@ def test_overheads_are_kept_per_regime():
         cost.observe(16, 2.0, 2.5, drafted=(ngram,))
         cost.observe(16, 2.0, 7.0, drafted=(model,))
         cost.observe(1, 1.0, 1.3)
-    assert cost.overhead_ms(ngram) == pytest.approx(0.5) and cost.overhead_ms(model) == pytest.approx(5.0)
+    assert cost.overhead_ms({ngram}) == pytest.approx(0.5) and cost.overhead_ms({model}) == pytest.approx(5.0)
     assert cost.overhead_ms(PLAIN) == pytest.approx(0.3) and cost.measured(PLAIN)
-    assert cost.overhead_ms(Regime(1, 0)) == pytest.approx(0.3)  # never measured: the cheapest kind's
-    for _ in range(OVERHEAD_WINDOW):
+    assert cost.overhead_ms({ngram, model}) == pytest.approx(5.0) and not cost.measured({ngram, model})
+    assert cost.overhead_ms({Regime(1, 0)}) == pytest.approx(0.3)  # never seen: the cheapest kind's
+    assert cost.step_ms(16, {ngram}) == pytest.approx(2.0 + 0.5)
+    for _ in range(3):
         cost.observe(32, 3.0, 9.0, drafted=(ngram, model))
-    assert cost.overhead_ms(ngram) == cost.overhead_ms(model) == pytest.approx(6.0)
-    assert cost.speculative_steps == 10 + OVERHEAD_WINDOW
-    assert set(cost.overheads()) == {ngram, model, PLAIN}
+    assert cost.overhead_ms({model, ngram}) == pytest.approx(6.0)
+    assert cost.overhead_ms({ngram}) == pytest.approx(0.5) and cost.overhead_ms({model}) == pytest.approx(5.0)
+    assert cost.speculative_steps == 13
+    assert set(cost.overheads()) == {frozenset({ngram}), frozenset({model}), frozenset({ngram, model}), PLAIN}
+
+
+def test_a_cost_model_keeps_the_kinds_it_saw_last():
+    cost = CostModel()
+    for shape in range(MAX_KINDS + 5):
+        cost.observe(2, 1.0, 2.0, drafted=(Regime(shape, 0),))
+    kinds = cost.overheads()
+    assert len(kinds) == MAX_KINDS and frozenset({Regime(MAX_KINDS + 4, 0)}) in kinds
+    assert frozenset({Regime(0, 0)}) not in kinds
 
 
 def run_regimes(phases, length=120, overhead=0.3, seed=0):

@@ -319,6 +319,10 @@ class Engine:
         self._stop.set()
         self._inbox.put(("wake",))
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            # the sequences of requests that ended last: a Release left in flight when the channel
+            # goes would leave its sequence on the verifier, holding a slot
+            self._await_releases()
         self._endings.stop(ENDINGS_FLUSH_S)
         if self._stream is not None:
             self._stream.close()

@@ -272,6 +272,29 @@ def test_a_cancel_meant_for_an_earlier_request_under_the_id_is_ignored(verifier)
         engine.stop()
 
 
+def test_a_stop_right_after_a_cancel_still_releases_the_sequence(verifier, monkeypatch):
+    """The Release of a request that ended just before the engine stopped was left in flight and
+    lost with the channel: its sequence stayed on the verifier, holding a slot (a slow Release
+    here: still in flight when the stop returned)."""
+    release = verifier._server.engine.release
+
+    def slow_release(*args, **kwargs):
+        time.sleep(0.3)
+        return release(*args, **kwargs)
+
+    engine = engine_for(verifier.address, Hooks(), "stop-after-cancel")
+    events = Events(engine)
+    try:
+        assert engine.submit(spec("last", 120)) is None
+        events.pump_until(lambda: len(events.tokens("last")) >= 2, 120, "first tokens")
+        monkeypatch.setattr(verifier._server.engine, "release", slow_release)
+        engine.cancel("last", "client went away")
+        wait_until(lambda: engine.load == 0, 60, "the cancel")
+    finally:
+        engine.stop()
+    assert verifier.active() == 0
+
+
 def test_the_requests_of_a_front_that_stopped_draining_are_cancelled(verifier, monkeypatch, caplog):
     """A front that crashed (or stopped with requests running) drains no more: after the outbox's
     silent_s its requests end and their slots are free, and nothing more piles up for it; the

@@ -28,22 +28,31 @@ a token of another sequence, and the same formula turns speculation off.
   not make speculation look hopeless for the hundreds of steps it would take to be probed away. A
   kind never seen is priced like the dearest of its regimes seen alone, else like the cheapest
   kind seen.
-- Every `probe_every` steps the request may try a neighbour of its best budget (alternately one
+- Every `probe_every` steps of the engine the request may try a neighbour of its best budget (alternately one
   larger and one smaller) so the estimates stay current; while speculation is off it tries the
   best-scoring budget above 1 instead, because drafting has a fixed cost per step (a drafter
   RPC, a draft-model forward per tree level): budget 2 may not pay where 8 does, so probing only
   2 could keep speculation off for good. During the first `warmup` steps the cadence is every
   other step: until the batch has verified different node counts the cost slope is unknown
-  (assumed flat). Each request probes at its own `phase`, so a large batch does not probe all at
-  once.
+  (assumed flat). After that, every request of the batch probes at the same steps (the engine's
+  step count, `CostModel.steps`): drafting costs a step its overhead whether one request drafts or
+  many, so probes spread over the steps (a request's own step count) made a batch of 16 or more
+  pay a drafter that never pays on nearly every step (0.44x plain in the tests' world, now 0.91x);
+  the credit still bounds how many of them a step takes.
 - In a batch each request weighs its tree against the rest of the batch as the last step had it
-  (`choose_for_batch`). Where the others draft anyway, the drafter's cost looks already paid to
-  each, so a batch whose requests all draft would never turn a dear drafter off: the batch's own
-  check (`batch_turns_off`) turns every settled request's drafting off (not a probe, not a pinned
-  budget) when the step is expected to emit more a millisecond without it; and once, to measure
-  it, when a step without it has never been seen (until then it is priced with the drafting
-  overhead, and on an engine whose requests all speculated from the start, plain decoding could
-  never win against an expensive drafter).
+  (`choose_for_batch`): the drafts likely to come again, pinned budgets and settled choices, not
+  probes (one probe would make the next look paid for, and in a large batch a chain of them kept a
+  drafter that never pays on). Where the others draft anyway, the drafter's cost looks already
+  paid to each, so a batch whose requests all draft would never turn a dear drafter off; and
+  where none does, each pays the whole overhead for its one tree, so a batch for which drafting
+  pays together could turn it off. The batch's own check compares the settled requests' choices
+  with all of them drafting (each at its best with the overhead shared) and with none of them
+  drafting (probes and pinned budgets as they are), and takes whichever the estimates call
+  fastest (`batch_rate`). A step in
+  which only the pinned requests draft (plain, where none is pinned), never seen, is tried once
+  (again after `RETRY_STEPS` if it did not come about): until one is seen it is priced with more
+  drafting overhead, and on an engine whose requests all speculated from the start, plain decoding
+  could never win against an expensive drafter.
 - A probe is taken only when the engine can afford it (`CostModel.afford`). Every step the engine
   verifies earns credit, `explore` times its measured time; a probe spends its estimated loss
   against the best budget: its step time less the time the best budget needs for the tokens the
@@ -73,6 +82,7 @@ PLAIN = frozenset()  # the kind of a step that asked the drafter for nothing (se
 MAX_KINDS = 64  # step kinds whose overheads a cost model keeps (the least recently seen go first)
 OVERHEAD_WINDOW = 16  # steps whose overheads (outside the forward) give the median
 LEARNING_STEPS = OVERHEAD_WINDOW  # speculative steps an engine verifies before probes spend its credit
+RETRY_STEPS = 4 * OVERHEAD_WINDOW  # steps before a step kind tried and not seen is tried again
 SATURATED = 0.9  # share of its level at which the credit pays for any one probe
 
 
@@ -95,13 +105,15 @@ def temperature_band(temperature: float) -> int:
 @dataclass(frozen=True)
 class Plan:
     """One request's part in the next step: the `nodes` it verifies (1: no draft), the `tokens` it
-    is expected to emit, the regime it drafts in (None: it asks for no draft), and whether it is
-    `settled` (an adaptive request's best choice by the estimates, which the batch may overrule)."""
+    is expected to emit, the regime it drafts in (None: it asks for no draft), whether it is
+    `settled` (an adaptive request's best choice by the estimates, which the batch may overrule)
+    and whether its budget is `pinned` by its client."""
 
     nodes: int
     tokens: float
     drafts: Hashable | None
     settled: bool
+    pinned: bool = False
 
 
 def batch_ms(cost: "CostModel", plans: list[Plan]) -> float:
@@ -125,44 +137,58 @@ class Seat:
 
 def choose_for_batch(cost: "CostModel", seats: list[Seat]) -> list[int]:
     """The budgets of a batch's next trees (1: no draft; 0: the drafter's default). Each policy
-    chooses against the rest of the batch as the last step had it; then, if the batch emits more a
-    millisecond with every settled request's drafting off, those are turned off
-    (`batch_turns_off`)."""
-    drafted = collections.Counter(s.regime for s in seats if s.drafted)
+    chooses against the rest of the batch as the last step had it (the drafts likely to come again:
+    pinned, or a policy's settled choice; a probe or a start budget is not); then the batch's own
+    checks: a step with only the pinned requests drafting, never seen, is tried once to measure it;
+    otherwise the settled requests' choices are compared with all of them drafting (each at its
+    best with the drafting shared) and with none of them drafting, and the batch takes whichever
+    is expected to emit the most a millisecond (`batch_rate`)."""
+    drafted = collections.Counter(s.regime for s in seats if _drafts_again(s))
     nodes, tokens = sum(s.last_nodes for s in seats), sum(s.last_tokens for s in seats)
-    budgets, plans = [], []
+    budgets, chosen, on, off = [], [], [], []
     for s in seats:
         if s.policy is None:
             budgets.append(1)
-            plans.append(Plan(1, 1.0, None, False))
+            chosen.append(Plan(1, 1.0, None, False))
+            on.append(chosen[-1])
+            off.append(chosen[-1])
             continue
         others = drafted.copy()
-        if s.drafted:
+        if _drafts_again(s):
             others[s.regime] -= 1
-        budget = s.policy.choose(cost, nodes - s.last_nodes, s.shared, tokens - s.last_tokens, frozenset(+others))
-        size = budget or s.last_nodes  # the drafter's default budget: as many nodes as its last tree
-        drafts = budget != 1
+        args = (cost, nodes - s.last_nodes, s.shared, tokens - s.last_tokens, frozenset(+others))
+        budget = s.policy.choose(*args)
         budgets.append(budget)
-        plans.append(Plan(size, s.policy.estimate(size, s.shared) if drafts else 1.0, s.regime if drafts else None,
-                          s.policy.settled))
-    if batch_turns_off(cost, plans):
-        budgets = [1 if p.settled else b for b, p in zip(budgets, plans)]
-    return budgets
+        chosen.append(_plan(s, budget))
+        settled = s.policy.settled
+        on.append(_plan(s, s.policy.best_if_shared(*args)) if settled else chosen[-1])
+        off.append(_plan(s, 1) if settled else chosen[-1])
+    pinned = {p.drafts for p in chosen if p.pinned and p.drafts is not None}
+    if any(p.drafts is not None and not p.pinned for p in chosen) and cost.worth_measuring(pinned):
+        # such a step (plain, or only the pinned requests drafting) is priced like one with more
+        # drafts (`overhead_ms`) until one is seen, and could never win against a dear drafter:
+        # one step measures it (probes and start budgets wait a step too)
+        return [b if p.pinned else 1 for b, p in zip(budgets, chosen)]
+    best = max((chosen, on, off), key=lambda plans: batch_rate(cost, plans))  # a tie: as chosen
+    return [b if p is q else q.nodes for b, p, q in zip(budgets, chosen, best)]
 
 
-def batch_turns_off(cost: "CostModel", plans: list[Plan]) -> bool:
-    """Whether the next step emits more tokens a millisecond with every settled request's drafting
-    off. Each request weighs its own tree against the rest of the batch as it is, so when all of
-    them draft, the drafter's cost looks already paid to each and no one turns it off, though the
-    batch would be faster without it."""
-    if not any(p.settled and p.drafts is not None for p in plans):
-        return False
-    off = [Plan(1, 1.0, None, False) if p.settled else p for p in plans]
-    if not cost.measured({p.drafts for p in off if p.drafts is not None}):
-        # such a step (plain, or only the pinned and probing requests drafting) is priced like one
-        # with drafts (`overhead_ms`) until one is seen, and could never win: one step measures it
-        return True
-    return sum(p.tokens for p in off) / batch_ms(cost, off) > sum(p.tokens for p in plans) / batch_ms(cost, plans)
+def _plan(s: Seat, budget: int) -> Plan:
+    size = budget or s.last_nodes  # the drafter's default budget: as many nodes as its last tree
+    if size == 1:
+        return Plan(1, 1.0, None, s.policy.settled, s.policy.pinned)
+    return Plan(size, s.policy.estimate(size, s.shared), s.regime, s.policy.settled, s.policy.pinned)
+
+
+def _drafts_again(s: Seat) -> bool:
+    """Whether the seat's last draft is likely to come again (a pinned budget or a settled choice;
+    a probe's would make the next probe look paid for)."""
+    return s.drafted and s.policy is not None and (s.policy.pinned or s.policy.settled)
+
+
+def batch_rate(cost: "CostModel", plans: list[Plan]) -> float:
+    """Tokens a millisecond the step is expected to emit."""
+    return sum(p.tokens for p in plans) / batch_ms(cost, plans)
 
 
 def allowed_budgets(cap: int) -> tuple[int, ...]:
@@ -201,6 +227,9 @@ class CostModel:
     # the medians of `_overheads`, kept up to date by `observe` (read a few times per request per step)
     _overhead_ms: dict = field(default_factory=dict)
     speculative_steps: int = 0
+    steps: int = 0
+    # step kind -> the step count when `worth_measuring` last had it tried
+    _tried: dict = field(default_factory=dict)
 
     def observe(self, nodes: int, forward_ms: float, step_ms: float, drafted: Collection[Hashable] = ()) -> None:
         """One verified step: `nodes` in the batch, the verifier's `forward_ms`, the engine's
@@ -222,6 +251,7 @@ class CostModel:
         if len(self._overheads) > MAX_KINDS:
             del self._overhead_ms[self._overheads.popitem(last=False)[0]]
         self.speculative_steps += int(bool(kind))
+        self.steps += 1
 
     def fit(self) -> tuple[float, float]:
         """(a, c): intercept and ms per node, both >= 0. Flat (c = 0) until nodes vary."""
@@ -252,6 +282,19 @@ class CostModel:
     def measured(self, drafted: Collection[Hashable]) -> bool:
         """Whether a step in which exactly the `drafted` regimes drafted (none: plain) was seen."""
         return frozenset(drafted) in self._overhead_ms
+
+    def worth_measuring(self, drafted: Collection[Hashable]) -> bool:
+        """Whether to try a step in which exactly the `drafted` regimes draft, to measure it: never
+        seen, and not tried in the last RETRY_STEPS steps (a try may come out another kind: a
+        request that joins, a drafter that is down). Records the try."""
+        kind = frozenset(drafted)
+        if kind in self._overhead_ms or self.steps < self._tried.get(kind, -RETRY_STEPS) + RETRY_STEPS:
+            return False
+        self._tried.pop(kind, None)
+        self._tried[kind] = self.steps
+        if len(self._tried) > MAX_KINDS:
+            del self._tried[next(iter(self._tried))]
+        return True
 
     def overhead_ms(self, drafted: Collection[Hashable] = ()) -> float:
         """Median time outside the forward of the last `OVERHEAD_WINDOW` steps in which exactly the
@@ -303,11 +346,11 @@ class AdaptivePolicy:
     regime: Hashable = Regime(0, 0)
     probe_every: int = 16
     warmup: int = 12
-    phase: int = 0
     table: AcceptanceTable = field(default_factory=AcceptanceTable)
     steps: int = 0
     best: int = 0
     settled: bool = False
+    pinned = False  # the engine chooses its budgets
     _probe_up: bool = True
 
     def __post_init__(self):
@@ -334,20 +377,33 @@ class AdaptivePolicy:
         if not self.table.tau and (shared is None or not shared.tau):
             self.best = self.start
             return self.start
-        mine = other_drafted | {self.regime}
-        times = {b: max(1e-6, cost.step_ms(other_nodes + b, mine if b > 1 else other_drafted)) for b in self.budgets}
-        tokens = {b: self.estimate(b, shared) + other_tokens for b in self.budgets}
-        scores = {b: tokens[b] / times[b] for b in self.budgets}
+        times, tokens, scores = self._scores(cost, other_nodes, shared, other_tokens, other_drafted)
         rank = lambda b: (scores[b], -b)  # the best score; on a tie, the smaller budget
         self.best = max(self.budgets, key=rank)
         every = 2 if self.steps <= self.warmup else self.probe_every
-        if every and (self.steps + self.phase) % every == 0 and len(self.budgets) > 1:
+        clock = self.steps if self.steps <= self.warmup else cost.steps  # after the warm-up, the batch's
+        if every and clock % every == 0 and len(self.budgets) > 1:
             # off: re-check the most promising tree, not just the smallest
             probe = max(self.budgets[1:], key=rank) if self.best == 1 else self._neighbour(self.best)
             if cost.afford(times[probe] - tokens[probe] / scores[self.best]):
                 return probe
         self.settled = True
         return self.best
+
+    def best_if_shared(self, cost: CostModel, other_nodes: int, shared: AcceptanceTable | None,
+                       other_tokens: float, other_drafted: frozenset) -> int:
+        """The best budget were the rest of the batch drafting in this request's regime too (its
+        drafting overhead paid by the step either way), without changing the policy's state."""
+        _, _, scores = self._scores(cost, other_nodes, shared, other_tokens, other_drafted | {self.regime})
+        return max(self.budgets, key=lambda b: (scores[b], -b))
+
+    def _scores(self, cost: CostModel, other_nodes: int, shared: AcceptanceTable | None, other_tokens: float,
+                other_drafted: frozenset) -> tuple[dict, dict, dict]:
+        """Per budget: the step's time, the batch's tokens and their ratio."""
+        mine = other_drafted | {self.regime}
+        times = {b: max(1e-6, cost.step_ms(other_nodes + b, mine if b > 1 else other_drafted)) for b in self.budgets}
+        tokens = {b: self.estimate(b, shared) + other_tokens for b in self.budgets}
+        return times, tokens, {b: tokens[b] / times[b] for b in self.budgets}
 
     def _neighbour(self, b: int) -> int:
         """The next neighbour of `b` to probe: alternately one larger and one smaller (at the ends,
@@ -371,7 +427,8 @@ class FixedPolicy:
     """Always the same budget (0: the drafter's default; 1: no speculation)."""
 
     budget: int
-    settled = False  # never turned off for the batch's sake (`batch_turns_off`): the client chose
+    settled = False  # never turned off for the batch's sake: the client chose
+    pinned = True
 
     def choose(self, cost: CostModel, other_nodes: int = 0, shared: AcceptanceTable | None = None,
                other_tokens: float = 0.0, other_drafted: frozenset = frozenset()) -> int:

@@ -265,13 +265,13 @@ def _regime_fields(regime: Regime) -> dict:
     return {"shape": shape, "temperature_band": regime.band, "draft_ahead": regime.ahead}
 
 
-def make_policy(spec: RequestSpec, info: VerifierInfo, phase: int = 0):
+def make_policy(spec: RequestSpec, info: VerifierInfo):
     sp = spec.speculation
     if not sp.enabled:
         return FixedPolicy(1)
     if sp.adaptive:
         cap = min(sp.node_budget or ADAPTIVE_CAP, info.max_tree_nodes)
-        return AdaptivePolicy(cap=cap, start=min(cap, ADAPTIVE_START), phase=phase, regime=spec.regime)
+        return AdaptivePolicy(cap=cap, start=min(cap, ADAPTIVE_START), regime=spec.regime)
     return FixedPolicy(min(sp.node_budget, info.max_tree_nodes))
 
 
@@ -293,7 +293,6 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self._count_lock = threading.Lock()
         self._count = 0  # requests accepted and not finished (the loop may not have seen them yet)
-        self._admitted = 0
         self._down_since: Optional[float] = None
         self._last_offer = 0.0
         # sequence ids a replica failure left on the verifier (released once it answers again)
@@ -345,9 +344,7 @@ class Engine:
                 return (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
                         f"replica {self.config.verifier} is full ({self.info.max_sequences} sequences)")
             self._count += 1
-            self._admitted += 1
-            phase = self._admitted
-        state = RequestState(spec, list(spec.prompt), make_policy(spec, self.info, phase=phase))
+        state = RequestState(spec, list(spec.prompt), make_policy(spec, self.info))
         self.outbox.touch(spec.front)  # its reader here may start after the first events
         self._inbox.put(("add", state))
         return None
@@ -556,8 +553,8 @@ class Engine:
         if self.link is None:
             return
         asking = {id(r) for r in asked}
-        seats = [Seat(r.policy if r.spec.speculation.enabled else None, r.spec.regime, self.shared[r.spec.regime],
-                      r.last_nodes, r.last_tokens, id(r) in asking) for r, _ in going]
+        seats = [Seat(r.policy, r.spec.regime, self.shared[r.spec.regime], r.last_nodes, r.last_tokens, id(r) in asking)
+                 if r.spec.speculation.enabled else Seat(None, r.spec.regime, None) for r, _ in going]
         for (r, told), budget in zip(going, choose_for_batch(self.cost, seats)):
             self._request_draft(r, told, budget)
 

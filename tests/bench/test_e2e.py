@@ -59,7 +59,8 @@ def test_toy_engine_learns_each_regime_apart(toy):
     _, _, result = toy
     learnt = {(a["shape"], a["temperature_band"], a["draft_ahead"]): a["tau"] for a in result["engine"]["acceptance"]}
     shapes = ("TREE_SHAPE_CHAIN", "TREE_SHAPE_DYNAMIC", "TREE_SHAPE_NGRAM", "TREE_SHAPE_UNSPECIFIED")
-    regimes = {(s, band, False) for s in shapes for band in (0, 2)} | {("TREE_SHAPE_DYNAMIC", band, True) for band in (0, 2)}
+    regimes = {(s, band, False) for s in shapes for band in (0, 2)}
+    regimes |= {("TREE_SHAPE_DYNAMIC", band, True) for band in (0, 2)}  # the +ahead rows
     assert set(learnt) == regimes, learnt  # T = 0 and T = 1
     assert "7" in learnt["TREE_SHAPE_CHAIN", 0, False] and "16" in learnt["TREE_SHAPE_DYNAMIC", 2, False]
     kinds = [[(d["shape"], d["temperature_band"], d["draft_ahead"]) for d in o["drafted"]]

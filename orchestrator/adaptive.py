@@ -14,8 +14,9 @@ a token of another sequence, and the same formula turns speculation off.
 - tau(b) is an exponential moving average of the tokens emitted per step at budget b, per request
   (acceptance depends on the text), falling back to the engine-wide average of the requests of
   the same `Regime` (tree shape and temperature band: an n-gram tree at temperature 1 says little
-  about a draft model's tree at temperature 0) for budgets the request has not tried, and
-  otherwise to the nearest smaller tried budget (never optimistic).
+  about a draft model's tree at temperature 0) for budgets the request has not tried, then to the
+  best another regime of the same band measured there (`RegimeTables`: a guess, which a probe of
+  that budget corrects), and otherwise to the nearest smaller tried budget (never optimistic).
   Until some acceptance has been measured (by the request or engine-wide) the request drafts at
   `start`; a warm cost model alone (e.g. from plain traffic) is no reason to begin at 1.
 - step_ms(n) = forward_ms(n) + overhead: the verifier's forward time is fitted as a + c * n over
@@ -333,6 +334,34 @@ class AcceptanceTable:
     def get(self, budget: int) -> float | None:
         return 1.0 if budget == 1 else self.tau.get(budget)
 
+    def kin(self, budget: int) -> float | None:
+        """What related tables measured at `budget` (none here: see `RegimeTables`)."""
+        return None
+
+
+class RegimeTables(dict):
+    """Regime -> the engine-wide AcceptanceTable of its requests, made on first use. A table stands
+    in for a budget its regime has not measured with the best that another regime of the same
+    temperature band measured there (`kin`): a new regime (the drafter's default shape beside
+    requests that named it) would otherwise go by its first few trees alone, and one that
+    accepted nothing keeps larger trees from ever being probed."""
+
+    def __missing__(self, regime) -> "AcceptanceTable":
+        table = self[regime] = _KinTable(self, regime)
+        return table
+
+
+class _KinTable(AcceptanceTable):
+    def __init__(self, tables: RegimeTables, regime) -> None:
+        super().__init__()
+        self._tables, self._regime = tables, regime
+
+    def kin(self, budget: int) -> float | None:
+        band = getattr(self._regime, "band", None)
+        seen = [t.tau[budget] for k, t in list(self._tables.items())
+                if k != self._regime and getattr(k, "band", None) == band and budget in t.tau]
+        return max(seen, default=None)
+
 
 @dataclass
 class AdaptivePolicy:
@@ -363,6 +392,8 @@ class AdaptivePolicy:
             return own
         if shared is not None and shared.get(budget) is not None:
             return shared.get(budget)
+        if shared is not None and shared.kin(budget) is not None:
+            return shared.kin(budget)  # optimistic, as a probe will tell
         smaller = [self.table.get(b) for b in self.budgets if b < budget and self.table.get(b) is not None]
         return max(smaller) if smaller else 1.0
 

@@ -40,7 +40,7 @@ from typing import Iterable, Optional
 
 import grpc
 
-from orchestrator.adaptive import (AcceptanceTable, AdaptivePolicy, CostModel, FixedPolicy, Regime, Seat,
+from orchestrator.adaptive import (AdaptivePolicy, CostModel, FixedPolicy, Regime, RegimeTables, Seat,
                                    choose_for_batch)
 from orchestrator.draft_link import DraftLink
 from orchestrator.request import CANCELLED, Event, RequestSpec, RequestState
@@ -288,7 +288,7 @@ class Engine:
         self.outbox = Outbox()
         self.cost = CostModel()
         # regime -> engine-wide acceptance of its requests (what a request falls back on)
-        self.shared: defaultdict[Regime, AcceptanceTable] = defaultdict(AcceptanceTable)
+        self.shared: RegimeTables = RegimeTables()
         self._requests: dict[str, RequestState] = {}
         self._inbox: queue.Queue = queue.Queue()
         self._count_lock = threading.Lock()

@@ -8,7 +8,7 @@ import pytest
 
 from orchestrator.adaptive import (LEARNING_STEPS, MAX_KINDS, OVERHEAD_WINDOW, PLAIN, RETRY_STEPS, AcceptanceTable,
                                    AdaptivePolicy, CostModel, FixedPolicy, Regime, Seat, allowed_budgets,
-                                   choose_for_batch, temperature_band)
+                                   RegimeTables, choose_for_batch, temperature_band)
 
 REGIME = AdaptivePolicy(cap=1).regime  # a policy's regime unless it is given one
 
@@ -290,13 +290,13 @@ def test_a_kind_tried_and_not_seen_is_tried_again_only_later():
     assert not cost.worth_measuring(PLAIN)  # seen
 
 
-def run_regimes(phases, length=120, overhead=0.3, seed=0):
+def run_regimes(phases, length=120, overhead=0.3, seed=0, shared=None):
     """Requests of one regime after another on one engine (its cost model and per-regime
     acceptance tables shared), batch 1. phases: (regime, requests, tau, forward, draft_overhead,
     budget: 0 for the adaptive policy, else that fixed budget). Returns each phase's tokens per ms
     as a multiple of plain decoding's."""
     rng = random.Random(seed)
-    cost, shared = CostModel(), collections.defaultdict(AcceptanceTable)
+    cost, shared = CostModel(), RegimeTables() if shared is None else shared
     rates = []
     for regime, requests, tau, forward, draft_overhead, fixed in phases:
         tokens = time = 0.0
@@ -331,6 +331,28 @@ def test_a_cheap_drafters_steps_do_not_make_a_dear_one_look_cheap():
     model = (Regime(0, 2), 4, lambda b: 1 + 1.5 * (1 - 0.8 ** (b - 1)), forward, 4.4, 0)
     *_, rate = run_regimes([plain, ngram, model])
     assert rate > 0.86
+
+
+def test_a_new_regime_borrows_what_its_band_measured():
+    """The demo pair on a GPU at temperature 0: requests that named the dynamic shape measured 16-node
+    trees paying (about 3.5 tokens), then default requests (the same drafter under another
+    regime) drew a first tree of 8 that accepted nothing. Going by that alone, every larger budget
+    was estimated at 1 token, probes tried 2 only, and speculation stayed off (0.70x plain); with
+    the band's measurements standing in, the probe of 16 finds it pays."""
+    def forward(n):
+        return 0.8 + 0.005 * n
+
+    def tau(b):
+        return 1 + 3.0 * (1 - 0.75 ** (b - 1))
+
+    dynamic, default = Regime(3, 0), Regime(0, 0)
+    shared = RegimeTables()
+    shared[default].observe(8, 1)  # the unlucky first tree
+    named = (dynamic, 4, tau, forward, 1.5, 16)
+    adaptive = (default, 4, tau, forward, 1.5, 0)
+    _, rate = run_regimes([named, adaptive], shared=shared)
+    assert rate > 1.5
+    assert shared[default].get(16) is not None and shared[default].get(16) > 3  # it was probed
 
 
 def test_probes_neighbours_when_off():

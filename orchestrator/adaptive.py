@@ -12,11 +12,12 @@ a GPU a node is nearly free and big trees win; in a large batch each node costs 
 a token of another sequence, and the same formula turns speculation off.
 
 - tau(b) is an exponential moving average of the tokens emitted per step at budget b, per request
-  (acceptance depends on the text), falling back to the engine-wide average of the requests of
-  the same `Regime` (tree shape and temperature band: an n-gram tree at temperature 1 says little
-  about a draft model's tree at temperature 0) for budgets the request has not tried, then to the
-  best another regime of the same band measured there (`RegimeTables`: a guess, which a probe of
-  that budget corrects), and otherwise to the nearest smaller tried budget (never optimistic).
+  (acceptance depends on the text), falling back to the average of the engine's requests of the
+  same `Regime` (tree shape, temperature band, draft-ahead: an n-gram tree at temperature 1 says
+  little about a draft model's tree at temperature 0) for budgets the request has not tried, then
+  to the best another regime of the same band measured there (`RegimeTables`: a guess, which a
+  probe of that budget corrects), and otherwise to the best of the smaller budgets it tried (never
+  optimistic).
   Until some acceptance has been measured (by the request or engine-wide) the request drafts at
   `start`; a warm cost model alone (e.g. from plain traffic) is no reason to begin at 1.
 - step_ms(n) = forward_ms(n) + overhead: the verifier's forward time is fitted as a + c * n over
@@ -29,11 +30,11 @@ a token of another sequence, and the same formula turns speculation off.
   not make speculation look hopeless for the hundreds of steps it would take to be probed away. A
   kind never seen is priced like the dearest of its regimes seen alone, else like the cheapest
   kind seen.
-- Every `probe_every` steps of the engine the request may try a neighbour of its best budget (alternately one
-  larger and one smaller) so the estimates stay current; while speculation is off it tries the
-  best-scoring budget above 1 instead, because drafting has a fixed cost per step (a drafter
-  RPC, a draft-model forward per tree level): budget 2 may not pay where 8 does, so probing only
-  2 could keep speculation off for good. During the first `warmup` steps the cadence is every
+- Every `probe_every` steps of the engine the request may try a neighbour of its best budget
+  (alternately one larger and one smaller) so the estimates stay current; while speculation is
+  off it tries the best-scoring budget above 1 instead, because drafting has a fixed cost per step
+  (a drafter RPC, a draft-model forward per tree level): budget 2 may not pay where 8 does, so
+  probing only 2 could keep speculation off for good. During the first `warmup` steps the cadence is every
   other step: until the batch has verified different node counts the cost slope is unknown
   (assumed flat). After that, every request of the batch probes at the same steps (the engine's
   step count, `CostModel.steps`): drafting costs a step its overhead whether one request drafts or
@@ -49,11 +50,10 @@ a token of another sequence, and the same formula turns speculation off.
   pays together could turn it off. The batch's own check compares the settled requests' choices
   with all of them drafting (each at its best with the overhead shared) and with none of them
   drafting (probes and pinned budgets as they are), and takes whichever the estimates call
-  fastest (`batch_rate`). A step in
-  which only the pinned requests draft (plain, where none is pinned), never seen, is tried once
-  (again after `RETRY_STEPS` if it did not come about): until one is seen it is priced with more
-  drafting overhead, and on an engine whose requests all speculated from the start, plain decoding
-  could never win against an expensive drafter.
+  fastest (`batch_rate`). A step in which only the pinned requests draft (plain, where none is
+  pinned), never seen, is tried once (again after `RETRY_STEPS` if it did not come about): until
+  one is seen it is priced with more drafting overhead, and on an engine whose requests all
+  speculated from the start, plain decoding could never win against an expensive drafter.
 - A probe is taken only when the engine can afford it (`CostModel.afford`). Every step the engine
   verifies earns credit, `explore` times its measured time; a probe spends its estimated loss
   against the best budget: its step time less the time the best budget needs for the tokens the
@@ -104,21 +104,19 @@ def temperature_band(temperature: float) -> int:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Part:
     """One request's part in the next step: the `nodes` it verifies (1: no draft), the `tokens` it
-    is expected to emit, the regime it drafts in (None: it asks for no draft), whether it is
-    `settled` (an adaptive request's best choice by the estimates, which the batch may overrule)
-    and whether its budget is `pinned` by its client."""
+    is expected to emit, the `regime` it drafts in (None: it asks for no draft) and whether its
+    budget is `pinned` by its client."""
 
     nodes: int
     tokens: float
-    drafts: Hashable | None
-    settled: bool
+    regime: Hashable | None
     pinned: bool = False
 
 
-def batch_ms(cost: "CostModel", plans: list[Plan]) -> float:
-    drafted = {p.drafts for p in plans if p.drafts is not None}
+def batch_ms(cost: "CostModel", plans: list[Part]) -> float:
+    drafted = {p.regime for p in plans if p.regime is not None}
     return max(1e-6, cost.step_ms(sum(p.nodes for p in plans), drafted))
 
 
@@ -133,7 +131,7 @@ class Seat:
     shared: "AcceptanceTable | None"
     last_nodes: int = 1
     last_tokens: int = 1
-    drafted: bool = False
+    asked: bool = False
 
 
 def choose_for_batch(cost: "CostModel", seats: list[Seat]) -> list[int]:
@@ -144,13 +142,13 @@ def choose_for_batch(cost: "CostModel", seats: list[Seat]) -> list[int]:
     otherwise the settled requests' choices are compared with all of them drafting (each at its
     best with the drafting shared) and with none of them drafting, and the batch takes whichever
     is expected to emit the most a millisecond (`batch_rate`)."""
-    drafted = collections.Counter(s.regime for s in seats if _drafts_again(s))
+    drafted = collections.Counter(s.regime for s in seats if _drafts_again(s))  # regime -> requests
     nodes, tokens = sum(s.last_nodes for s in seats), sum(s.last_tokens for s in seats)
     budgets, chosen, on, off = [], [], [], []
     for s in seats:
         if s.policy is None:
             budgets.append(1)
-            chosen.append(Plan(1, 1.0, None, False))
+            chosen.append(Part(1, 1.0, None))
             on.append(chosen[-1])
             off.append(chosen[-1])
             continue
@@ -160,34 +158,36 @@ def choose_for_batch(cost: "CostModel", seats: list[Seat]) -> list[int]:
         args = (cost, nodes - s.last_nodes, s.shared, tokens - s.last_tokens, frozenset(+others))
         budget = s.policy.choose(*args)
         budgets.append(budget)
-        chosen.append(_plan(s, budget))
+        chosen.append(_part(s, budget))
         settled = s.policy.settled
-        on.append(_plan(s, s.policy.best_if_shared(*args)) if settled else chosen[-1])
-        off.append(_plan(s, 1) if settled else chosen[-1])
-    pinned = {p.drafts for p in chosen if p.pinned and p.drafts is not None}
-    if any(p.drafts is not None and not p.pinned for p in chosen) and cost.worth_measuring(pinned):
+        on.append(_part(s, s.policy.best_if_shared(*args)) if settled else chosen[-1])
+        off.append(_part(s, 1) if settled else chosen[-1])
+    pinned = {p.regime for p in chosen if p.pinned and p.regime is not None}
+    if any(p.regime is not None and not p.pinned for p in chosen) and cost.try_measuring(pinned):
         # such a step (plain, or only the pinned requests drafting) is priced like one with more
         # drafts (`overhead_ms`) until one is seen, and could never win against a dear drafter:
-        # one step measures it (probes and start budgets wait a step too)
+        # one step measures it (a probe chosen now is dropped until its next turn)
         return [b if p.pinned else 1 for b, p in zip(budgets, chosen)]
     best = max((chosen, on, off), key=lambda plans: batch_rate(cost, plans))  # a tie: as chosen
     return [b if p is q else q.nodes for b, p, q in zip(budgets, chosen, best)]
 
 
-def _plan(s: Seat, budget: int) -> Plan:
-    size = budget or s.last_nodes  # the drafter's default budget: as many nodes as its last tree
-    if size == 1:
-        return Plan(1, 1.0, None, s.policy.settled, s.policy.pinned)
-    return Plan(size, s.policy.estimate(size, s.shared), s.regime, s.policy.settled, s.policy.pinned)
+def _part(s: Seat, budget: int) -> Part:
+    if budget == 1:
+        return Part(1, 1.0, None, s.policy.pinned)
+    # the drafter's default budget (0): as many nodes as its last tree, which may have been a
+    # one-node stand-in (after a prefill, or a late draft)
+    size = budget or max(2, s.last_nodes)
+    return Part(size, s.policy.estimate(size, s.shared), s.regime, s.policy.pinned)
 
 
 def _drafts_again(s: Seat) -> bool:
     """Whether the seat's last draft is likely to come again (a pinned budget or a settled choice;
     a probe's would make the next probe look paid for)."""
-    return s.drafted and s.policy is not None and (s.policy.pinned or s.policy.settled)
+    return s.asked and s.policy is not None and (s.policy.pinned or s.policy.settled)
 
 
-def batch_rate(cost: "CostModel", plans: list[Plan]) -> float:
+def batch_rate(cost: "CostModel", plans: list[Part]) -> float:
     """Tokens a millisecond the step is expected to emit."""
     return sum(p.tokens for p in plans) / batch_ms(cost, plans)
 
@@ -229,7 +229,7 @@ class CostModel:
     _overhead_ms: dict = field(default_factory=dict)
     speculative_steps: int = 0
     steps: int = 0
-    # step kind -> the step count when `worth_measuring` last had it tried
+    # step kind -> the step count when `try_measuring` last had it tried
     _tried: dict = field(default_factory=dict)
 
     def observe(self, nodes: int, forward_ms: float, step_ms: float, drafted: Collection[Hashable] = ()) -> None:
@@ -284,12 +284,12 @@ class CostModel:
         """Whether a step in which exactly the `drafted` regimes drafted (none: plain) was seen."""
         return frozenset(drafted) in self._overhead_ms
 
-    def worth_measuring(self, drafted: Collection[Hashable]) -> bool:
+    def try_measuring(self, drafted: Collection[Hashable]) -> bool:
         """Whether to try a step in which exactly the `drafted` regimes draft, to measure it: never
         seen, and not tried in the last RETRY_STEPS steps (a try may come out another kind: a
-        request that joins, a drafter that is down). Records the try."""
+        request that joins, a drafter that is down). True records the try."""
         kind = frozenset(drafted)
-        if kind in self._overhead_ms or self.steps < self._tried.get(kind, -RETRY_STEPS) + RETRY_STEPS:
+        if self.measured(kind) or self.steps < self._tried.get(kind, -RETRY_STEPS) + RETRY_STEPS:
             return False
         self._tried.pop(kind, None)
         self._tried[kind] = self.steps
@@ -357,9 +357,10 @@ class _KinTable(AcceptanceTable):
         self._tables, self._regime = tables, regime
 
     def kin(self, budget: int) -> float | None:
-        band = getattr(self._regime, "band", None)
-        seen = [t.tau[budget] for k, t in list(self._tables.items())
-                if k != self._regime and getattr(k, "band", None) == band and budget in t.tau]
+        if not isinstance(self._regime, Regime):
+            return None
+        seen = [t.tau[budget] for k, t in self._tables.items()
+                if isinstance(k, Regime) and k != self._regime and k.band == self._regime.band and budget in t.tau]
         return max(seen, default=None)
 
 
@@ -392,8 +393,9 @@ class AdaptivePolicy:
             return own
         if shared is not None and shared.get(budget) is not None:
             return shared.get(budget)
-        if shared is not None and shared.kin(budget) is not None:
-            return shared.kin(budget)  # optimistic, as a probe will tell
+        kin = shared.kin(budget) if shared is not None else None
+        if kin is not None:
+            return kin  # a guess, which a probe of this budget corrects
         smaller = [self.table.get(b) for b in self.budgets if b < budget and self.table.get(b) is not None]
         return max(smaller) if smaller else 1.0
 

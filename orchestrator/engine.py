@@ -356,6 +356,7 @@ class Engine:
                 return False
             self._count += 1
         state.needs_prefill, state.pending_commit, state.awaiting_draft = True, None, False
+        state.last_nodes = state.last_tokens = 1  # its last step was on another engine's batch
         state.reopen_drafter = True
         state.epoch += 1
         self.outbox.touch(state.spec.front)  # its front reads this engine only once it hears of the move
@@ -559,11 +560,12 @@ class Engine:
             self._request_draft(r, told, budget)
 
     def _request_draft(self, r: RequestState, outcome: Outcome | None, budget: int | None = None) -> None:
-        """Ask for `r`'s next tree (budget None: the policy's choice as if `r` were alone)."""
+        """Ask for `r`'s next tree (budget None: its policy's choice as if it were alone; the
+        batch's own checks wait for its first step, `_request_drafts`)."""
         if self.link is None or not r.spec.speculation.enabled:
             return
         if budget is None:
-            budget, = choose_for_batch(self.cost, [Seat(r.policy, r.spec.regime, self.shared[r.spec.regime])])
+            budget = r.policy.choose(self.cost, 0, self.shared[r.spec.regime], 0.0)
         max_nodes, max_depth = tree_limits(r, self.info.max_tree_nodes, self.info.max_sequence_length)
         if max_depth == 0 or budget == 1:
             r.budget = 1
@@ -809,9 +811,10 @@ class Engine:
         self._releases.append(self._stub.Release.future(pb.ReleaseRequest(sequence_id=vid), timeout=RELEASE_TIMEOUT_S))
 
     def _await_releases(self) -> None:
-        """Before a prefill, the verifier has freed the slots of the requests that ended (each
-        Release within RELEASE_TIMEOUT_S): a full replica's next request would otherwise find no
-        slot (RESOURCE_EXHAUSTED), and a request id reused at once could meet its old sequence."""
+        """Before a prefill and when the engine stops, the verifier has freed the slots of the
+        requests that ended (each Release within RELEASE_TIMEOUT_S): a full replica's next request
+        would otherwise find no slot (RESOURCE_EXHAUSTED), a request id reused at once could meet
+        its old sequence, and a stopped engine's channel would drop them."""
         pending, self._releases = self._releases, []
         for call in pending:
             try:

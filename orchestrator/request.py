@@ -110,7 +110,7 @@ class RequestState:
     forwards: int = 0
     seq: int = 0
     failures: int = 0
-    # drafting bookkeeping (engine-local; reset when the request moves)
+    # drafting bookkeeping (engine-local; `Engine.adopt` resets what a move leaves stale)
     awaiting_draft: bool = False
     budget: int = 1
     last_nodes: int = 1  # nodes verified / tokens emitted in the last step

@@ -239,6 +239,21 @@ def test_beside_a_pinned_cheap_drafter_a_dear_one_still_turns_off():
     assert sum(b == 1 for b in chosen[-200:]) >= 180
 
 
+def test_a_batch_of_seats_without_speculation_or_with_the_drafters_default():
+    cost = CostModel()
+    assert choose_for_batch(cost, [Seat(None, REGIME, None), Seat(None, REGIME, None)]) == [1, 1]
+    # a pinned default budget (0) after a one-node stand-in tree still drafts: the step is one of
+    # its regime, not plain, so no plain step is tried (and spent) for the adaptive request beside it
+    for _ in range(LEARNING_STEPS):
+        cost.observe(9, 1.0, 1.5, drafted=(REGIME,))
+    shared = AcceptanceTable()
+    shared.observe(8, 4)
+    seats = [Seat(FixedPolicy(0), REGIME, shared, last_nodes=1, asked=True),
+             Seat(AdaptivePolicy(cap=8), REGIME, shared, last_nodes=8, asked=True)]
+    assert choose_for_batch(cost, seats) == [0, 8]
+    assert cost.try_measuring(PLAIN)  # not tried meanwhile
+
+
 def test_temperature_bands():
     assert [temperature_band(t) for t in (0.0, 0.3, 0.5, 0.8, 1.0, 1.5, 100.0)] == [0, 1, 1, 2, 2, 3, 3]
 
@@ -280,14 +295,14 @@ def test_a_cost_model_keeps_the_kinds_it_saw_last():
 
 def test_a_kind_tried_and_not_seen_is_tried_again_only_later():
     cost = CostModel()
-    assert cost.worth_measuring(PLAIN) and not cost.worth_measuring(PLAIN)
+    assert cost.try_measuring(PLAIN) and not cost.try_measuring(PLAIN)
     for _ in range(RETRY_STEPS - 1):
         cost.observe(8, 1.0, 4.0, drafted=(REGIME,))
-    assert not cost.worth_measuring(PLAIN)
+    assert not cost.try_measuring(PLAIN)
     cost.observe(8, 1.0, 4.0, drafted=(REGIME,))
-    assert cost.worth_measuring(PLAIN)
+    assert cost.try_measuring(PLAIN)
     cost.observe(1, 1.0, 1.2)
-    assert not cost.worth_measuring(PLAIN)  # seen
+    assert not cost.try_measuring(PLAIN)  # seen
 
 
 def run_regimes(phases, length=120, overhead=0.3, seed=0, shared=None):

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.adaptive import FixedPolicy
+from orchestrator.adaptive import FixedPolicy, Regime
 from orchestrator.request import EOS, LENGTH, RequestSpec, RequestState, Speculation
 from orchestrator.steps import accept, advance, fit_tree, in_original, tree_limits
 from treeserve.acceptance import Outcome
 from treeserve.sampling import Sampling
 from treeserve.tree import SparseDist, TokenTree
+from treeserve.v1 import treeserve_pb2 as pb
 
 #        0
 #      /   \
@@ -113,3 +114,14 @@ def test_tree_limits():
     assert tree_limits(st, 64, 4096) == (64, 0)
     st = state(prompt=tuple(range(20)), max_new=50)
     assert tree_limits(st, 64, 24) == (4, 3)  # committed 20 + 4 nodes fit in 24
+
+
+def test_a_requests_regime_is_its_tree_shape_temperature_band_and_draft_ahead():
+    def regime(sampling, speculation):
+        return RequestSpec("r", (1, 2), sampling, 4, speculation, "front").regime
+
+    assert regime(Sampling(), Speculation()) == Regime(pb.TREE_SHAPE_UNSPECIFIED, 0, False)
+    assert regime(Sampling(temperature=0.7, seed=1), Speculation(mode="chain")) == Regime(pb.TREE_SHAPE_CHAIN, 2, False)
+    assert regime(Sampling(temperature=1.5, seed=1), Speculation(shape=pb.TREE_SHAPE_NGRAM, draft_ahead=True)) \
+        == Regime(pb.TREE_SHAPE_NGRAM, 3, True)
+    assert regime(Sampling(temperature=0.2, seed=1), Speculation()).band == 1

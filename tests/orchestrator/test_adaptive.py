@@ -77,6 +77,16 @@ def simulate(tau, forward, steps=400, batch=1, cap=32, seed=0, overhead=0.3, dra
     return tokens / time, sum(t for t, _ in tail) / sum(m for _, m in tail), chosen
 
 
+def never_pays_tau(b):
+    """A sampled draft-model tree of the demo pair: about 2.4 tokens at 16 nodes."""
+    return 1 + 1.5 * (1 - 0.8 ** (b - 1))
+
+
+def small_target_forward(n):
+    """A small target's verify: 0.8 ms, and 0.06 ms a node."""
+    return 0.8 + 0.06 * n
+
+
 def plain_rate(forward, batch=1, overhead=0.3):
     return batch / (forward(batch) + overhead)
 
@@ -166,13 +176,8 @@ def test_a_dear_drafter_on_a_fresh_engine_turns_speculation_off():
     """No plain step verified before (every request so far speculated): plain decoding's overhead
     is unknown and falls back to the speculative steps' (drafting included), so probing only the
     best budget's neighbours kept an expensive drafter on for good (about 0.6x plain here)."""
-    def tau(b):
-        return 1 + 1.5 * (1 - 0.8 ** (b - 1))
-
-    def forward(n):
-        return 0.8 + 0.06 * n
-
-    rate, steady, chosen = simulate(tau, forward, overhead=0.3, draft_overhead=2.7, cap=16)
+    forward = small_target_forward
+    rate, steady, chosen = simulate(never_pays_tau, forward, overhead=0.3, draft_overhead=2.7, cap=16)
     assert sum(b == 1 for b in chosen[-100:]) >= 90
     assert steady > 0.9 * plain_rate(forward) and rate > 0.85 * plain_rate(forward)
 
@@ -184,13 +189,8 @@ def test_a_dear_drafter_in_a_batch_turns_speculation_off(batch):
     (0.51-0.56x plain here at batch 2 and 4) until the batch's own check (`choose_for_batch`); with
     16 or more requests probing at steps of their own, nearly every step paid the drafter (0.44x
     at 16) until probes kept the engine's clock."""
-    def tau(b):
-        return 1 + 1.5 * (1 - 0.8 ** (b - 1))
-
-    def forward(n):
-        return 0.8 + 0.06 * n
-
-    rate, steady, chosen = simulate(tau, forward, overhead=0.3, draft_overhead=2.7, cap=16, batch=batch)
+    forward = small_target_forward
+    rate, steady, chosen = simulate(never_pays_tau, forward, overhead=0.3, draft_overhead=2.7, cap=16, batch=batch)
     assert sum(b == 1 for b in chosen[-100:]) >= 90
     assert steady > 0.85 * plain_rate(forward, batch) and rate > 0.8 * plain_rate(forward, batch)
 
@@ -219,14 +219,14 @@ def test_beside_a_pinned_cheap_drafter_a_dear_one_still_turns_off():
     cost, tables = CostModel(), {ngram: AcceptanceTable(), model: AcceptanceTable()}
     pinned, default = FixedPolicy(16), AdaptivePolicy(cap=16, regime=model)
     last = [(16, 1, True), (1, 1, False)]
-    tau = {ngram: lambda b: 1.09, model: lambda b: 1 + 1.5 * (1 - 0.8 ** (b - 1))}
+    tau = {ngram: lambda b: 1.09, model: never_pays_tau}
     chosen = []
     for _ in range(600):
         seats = [Seat(pinned, ngram, tables[ngram], *last[0]), Seat(default, model, tables[model], *last[1])]
         budgets = choose_for_batch(cost, seats)
         drafted = {s.regime for s, b in zip(seats, budgets) if b != 1}
         nodes = sum(budgets)
-        forward = 0.8 + 0.06 * nodes
+        forward = small_target_forward(nodes)
         ms = forward + 0.3 + (2.7 if model in drafted else 0.1 if drafted else 0.0)
         cost.observe(nodes, forward, ms, drafted=drafted)
         for i, (s, b) in enumerate(zip(seats, budgets)):
@@ -338,12 +338,10 @@ def test_a_cheap_drafters_steps_do_not_make_a_dear_one_look_cheap():
     to draft, nearly nothing accepted), then default requests on the draft model (4.4 ms of
     drafting a tree, about 2.4 tokens). With one overhead for every speculative step, the default
     requests' probes were priced at the n-gram steps' overhead and taken (0.83x plain here)."""
-    def forward(n):
-        return 0.8 + 0.06 * n
-
+    forward = small_target_forward
     plain = (Regime(0, 2), 4, lambda b: 1.0, forward, 0.0, 1)
     ngram = (Regime(4, 2), 4, lambda b: 1.09, forward, 0.1, 16)
-    model = (Regime(0, 2), 4, lambda b: 1 + 1.5 * (1 - 0.8 ** (b - 1)), forward, 4.4, 0)
+    model = (Regime(0, 2), 4, never_pays_tau, forward, 4.4, 0)
     *_, rate = run_regimes([plain, ngram, model])
     assert rate > 0.86
 

@@ -222,11 +222,10 @@ class CostModel:
     _nn: float = 0.0
     _y: float = 0.0
     _ny: float = 0.0
-    # step kind (the frozenset of the regimes that drafted in it; PLAIN: none) -> the overheads of
-    # its last OVERHEAD_WINDOW steps, the least recently seen kind first
-    _overheads: collections.OrderedDict = field(default_factory=collections.OrderedDict)
-    # the medians of `_overheads`, kept up to date by `observe` (read a few times per request per step)
-    _overhead_ms: dict = field(default_factory=dict)
+    # step kind (the frozenset of the regimes that drafted in it; PLAIN: none) -> (the overheads of
+    # its last OVERHEAD_WINDOW steps, their median: read a few times per request per step), the
+    # least recently seen kind first
+    _overheads: dict = field(default_factory=dict)
     speculative_steps: int = 0
     steps: int = 0
     # step kind -> the step count when `try_measuring` last had it tried
@@ -245,12 +244,9 @@ class CostModel:
         self.credit = self.credit_decay * self.credit + self.explore * step_ms
         self.earned = self.credit_decay * self.earned + self.explore * step_ms
         kind = frozenset(drafted)
-        recent = self._overheads.pop(kind, None) or collections.deque(maxlen=OVERHEAD_WINDOW)
-        self._overheads[kind] = recent
+        recent, _ = self._overheads.get(kind) or (collections.deque(maxlen=OVERHEAD_WINDOW), None)
         recent.append(max(0.0, step_ms - forward_ms))
-        self._overhead_ms[kind] = statistics.median(recent)
-        if len(self._overheads) > MAX_KINDS:
-            del self._overhead_ms[self._overheads.popitem(last=False)[0]]
+        _keep_last(self._overheads, kind, (recent, statistics.median(recent)))
         self.speculative_steps += int(bool(kind))
         self.steps += 1
 
@@ -282,7 +278,7 @@ class CostModel:
 
     def measured(self, drafted: Collection[Hashable]) -> bool:
         """Whether a step in which exactly the `drafted` regimes drafted (none: plain) was seen."""
-        return frozenset(drafted) in self._overhead_ms
+        return frozenset(drafted) in self._overheads
 
     def try_measuring(self, drafted: Collection[Hashable]) -> bool:
         """Whether to try a step in which exactly the `drafted` regimes draft, to measure it: never
@@ -291,33 +287,39 @@ class CostModel:
         kind = frozenset(drafted)
         if self.measured(kind) or self.steps < self._tried.get(kind, -RETRY_STEPS) + RETRY_STEPS:
             return False
-        self._tried.pop(kind, None)
-        self._tried[kind] = self.steps
-        if len(self._tried) > MAX_KINDS:
-            del self._tried[next(iter(self._tried))]
+        _keep_last(self._tried, kind, self.steps)
         return True
 
     def overhead_ms(self, drafted: Collection[Hashable] = ()) -> float:
         """Median time outside the forward of the last `OVERHEAD_WINDOW` steps in which exactly the
         `drafted` regimes drafted (none: plain steps). Never seen: the dearest of those regimes
         alone, where any was seen; else the cheapest kind seen (a probe corrects it); none: 0."""
+        seen = self._overheads
         kind = frozenset(drafted)
-        if kind in self._overhead_ms:
-            return self._overhead_ms[kind]
-        alone = [self._overhead_ms[frozenset((k,))] for k in kind if frozenset((k,)) in self._overhead_ms]
+        if kind in seen:
+            return seen[kind][1]
+        alone = [seen[frozenset((k,))][1] for k in kind if frozenset((k,)) in seen]
         if alone:
             return max(alone)
-        return min(self._overhead_ms.values(), default=0.0)
+        return min((median for _, median in seen.values()), default=0.0)
 
     def overheads(self) -> dict:
         """Step kind (the frozenset of regimes that drafted; PLAIN: none) -> its median overhead in
         ms, for every kind measured."""
-        return dict(self._overhead_ms)
+        return {kind: median for kind, (_, median) in self._overheads.items()}
 
     def step_ms(self, nodes: int, drafted: Collection[Hashable] = ()) -> float:
         """A step of `nodes` in which requests of the `drafted` regimes ask for drafts (none: a plain
         step)."""
         return self.forward_ms(nodes) + self.overhead_ms(drafted)
+
+
+def _keep_last(recent: dict, key, value) -> None:
+    """Set `key` as the most recent entry of `recent` (insertion order), keeping the MAX_KINDS last."""
+    recent.pop(key, None)
+    recent[key] = value
+    if len(recent) > MAX_KINDS:
+        del recent[next(iter(recent))]
 
 
 @dataclass
@@ -352,15 +354,13 @@ class RegimeTables(dict):
 
 
 class _KinTable(AcceptanceTable):
-    def __init__(self, tables: RegimeTables, regime) -> None:
+    def __init__(self, tables: RegimeTables, regime: Regime) -> None:
         super().__init__()
         self._tables, self._regime = tables, regime
 
     def kin(self, budget: int) -> float | None:
-        if not isinstance(self._regime, Regime):
-            return None
         seen = [t.tau[budget] for k, t in self._tables.items()
-                if isinstance(k, Regime) and k != self._regime and k.band == self._regime.band and budget in t.tau]
+                if k != self._regime and k.band == self._regime.band and budget in t.tau]
         return max(seen, default=None)
 
 
@@ -391,11 +391,13 @@ class AdaptivePolicy:
         own = self.table.get(budget)
         if own is not None:
             return own
-        if shared is not None and shared.get(budget) is not None:
-            return shared.get(budget)
-        kin = shared.kin(budget) if shared is not None else None
-        if kin is not None:
-            return kin  # a guess, which a probe of this budget corrects
+        if shared is not None:
+            measured = shared.get(budget)
+            if measured is not None:
+                return measured
+            kin = shared.kin(budget)
+            if kin is not None:
+                return kin  # a guess, which a probe of this budget corrects
         smaller = [self.table.get(b) for b in self.budgets if b < budget and self.table.get(b) is not None]
         return max(smaller) if smaller else 1.0
 

@@ -47,7 +47,11 @@ def e2e_plots(result: dict, out_dir) -> list[str]:
         return []
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return [speedup_plot(plt, rows, path, out / "e2e_speedup.png"), accept_plot(plt, rows, path, out / "e2e_accept.png")]
+    # the speedup plot's axis is the tree budget: rows of a fixed budget only (an adaptive row has
+    # none; a run of adaptive rows alone draws the acceptance plot only)
+    fixed = [r for r in rows if r["budget"] > 0 and not r.get("adaptive")]
+    drawn = [speedup_plot(plt, fixed, path, out / "e2e_speedup.png")] if any(r["shape"] != "plain" for r in fixed) else []
+    return drawn + [accept_plot(plt, rows, path, out / "e2e_accept.png")]
 
 
 def _title(result_path: str) -> str:

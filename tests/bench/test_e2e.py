@@ -115,6 +115,19 @@ def test_toy_writes_table_json_and_plots_and_prints_the_table_last(toy):
     assert len(lines) - header - 2 == len(result["rows"])
 
 
+def test_a_run_of_adaptive_rows_alone_draws_no_budget_axis(toy, tmp_path):
+    """`--methods "server default"`: its rows have no fixed budget for the speedup plot's axis (a
+    log axis of none failed the whole run); the acceptance plot is drawn."""
+    from bench import plots
+
+    _, _, result = toy
+    rows = [r for r in result["rows"] if r["method"] in ("plain", "server default") and r["path"] == "grpc"]
+    alone = dict(result, rows=rows)
+    drawn = plots.e2e_plots(alone, tmp_path)
+    assert [pathlib.Path(p).name for p in drawn] == ["e2e_accept.png"]
+    assert (tmp_path / "e2e_accept.png").read_bytes()[:8] == PNG
+
+
 def test_toy_result_feeds_the_projection(toy, tmp_path):
     from bench import verify_cost
 

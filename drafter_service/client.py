@@ -62,9 +62,11 @@ class DraftResult:
 
 
 def draft_request(sequence_id: str, committed_length: int, root: int, appended: Sequence[int] = (),
-                  outcome: Outcome | None = None, node_budget: int = 0):
+                  outcome: Outcome | None = None, node_budget: int = 0, shape: str | None = None):
+    """shape: this tree's (None: the sequence's)."""
     req = pb.DraftRequest(sequence_id=sequence_id, committed_length=committed_length,
-                          appended_tokens=list(appended), root_token=root, node_budget=node_budget)
+                          appended_tokens=list(appended), root_token=root, node_budget=node_budget,
+                          shape=_SHAPES[shape] if shape else pb.TREE_SHAPE_UNSPECIFIED)
     if outcome is not None:
         req.outcome.CopyFrom(outcome.to_proto())
     return req
@@ -97,8 +99,8 @@ class SpeculateStream:
         return out
 
     def draft(self, sequence_id: str, committed_length: int, root: int, appended: Sequence[int] = (),
-              outcome: Outcome | None = None, node_budget: int = 0) -> DraftResult:
-        self.submit(draft_request(sequence_id, committed_length, root, appended, outcome, node_budget))
+              outcome: Outcome | None = None, node_budget: int = 0, shape: str | None = None) -> DraftResult:
+        self.submit(draft_request(sequence_id, committed_length, root, appended, outcome, node_budget, shape))
         return self.collect(1)[0]
 
     def close(self) -> None:

@@ -71,6 +71,7 @@ class DraftCall:
     root: int
     outcome: Outcome | None = None
     node_budget: int = 0  # 0: the sequence's budget
+    shape: str | None = None  # None: the sequence's shape (see `Drafter.draft`)
 
 
 @dataclass(frozen=True)
@@ -319,6 +320,7 @@ class Drafter:
         self._check_tokens([call.root], "root_token")
         if call.node_budget < 0:
             raise InvalidArgument(f"node_budget must be >= 0, got {call.node_budget}")
+        proposer = self._proposer_for(seq, call.shape)
         with self._foreground(), seq.lock:
             if self._seqs.get(call.sequence_id) is not seq:
                 raise NotFound(f"sequence {call.sequence_id!r} ended while the request waited")
@@ -339,16 +341,39 @@ class Drafter:
             self._check_outcome(seq, call)
             budget = min(call.node_budget or seq.options.node_budget, self.max_nodes)
             try:
-                return self._draft(seq, call, budget, t0)
+                return self._draft(seq, call, proposer, budget, t0)
             except Exception as exc:
                 # the state may be half-advanced: refuse further requests until StartSequence
                 seq.broken = f"{type(exc).__name__}: {exc}"
                 raise
 
-    def _draft(self, seq: _Sequence, call: DraftCall, budget: int, t0: float) -> DraftReply:
+    def _proposer_for(self, seq: _Sequence, shape: str | None) -> Proposer:
+        """The proposer of a tree of `shape` (None: the sequence's own). Another shape is allowed
+        where the sequence's draft state serves it: n-gram always; a model shape only for a
+        sequence started with one, and picking children the same way (a fused tree carries no
+        draft distributions, the others do)."""
+        if shape is None or shape == seq.options.shape:
+            return seq.proposer
+        if shape not in SHAPES:
+            raise InvalidArgument(f"unknown tree shape {shape!r}; known: {', '.join(SHAPES)}")
+        proposer = self.proposers.get(shape)
+        if proposer is None:
+            raise InvalidArgument(f"tree shape {shape!r} needs a draft model; this drafter has none (n-gram only)")
+        if proposer.uses_model and not seq.proposer.uses_model:
+            raise InvalidArgument(f"sequence {seq.id!r} was started with the {seq.options.shape!r} shape, which keeps "
+                                  f"no draft-model state: a {shape!r} tree needs StartSequence with a model shape")
+        if proposer.uses_model and (shape == "fused") != (seq.options.shape == "fused"):
+            raise InvalidArgument(f"sequence {seq.id!r} picks children for {seq.options.shape!r} trees; a {shape!r} "
+                                  "tree picks them another way (draft distributions): start it with that shape")
+        return proposer
+
+    def _draft(self, seq: _Sequence, call: DraftCall, proposer: Proposer, budget: int, t0: float) -> DraftReply:
         depth = seq.options.max_depth
         had_round = seq.round is not None
-        hit = seq.stop_round(key_of(call.appended, call.root, budget))
+        own = proposer is seq.proposer
+        # a prepared tree is of the sequence's own shape: another shape takes none (the round's
+        # state is finalised as on a miss)
+        hit = seq.stop_round(key_of(call.appended, call.root, budget) if own else None)
         if hit is not None:
             old, seq.state = seq.state, hit.state
             self.model.adopt(seq.state.slot)
@@ -356,17 +381,17 @@ class Drafter:
             draft = hit.draft
         else:
             seq.state.advance(call.appended)
-            draft = draft_tree(seq.proposer, seq.state, call.root, budget, depth)
+            draft = draft_tree(proposer, seq.state, call.root, budget, depth)
         draft_ms = (time.perf_counter() - t0) * 1e3
         reply = DraftReply(call.sequence_id, call.committed_length, draft.tree, hit is not None, draft_ms)
         seq.last_tree, seq.last_call, seq.last_reply = draft.tree, call, reply
         if had_round:
             self.metrics.ahead(hit is not None, (hit.build_ms - draft_ms) if hit is not None else 0.0)
-        self.metrics.tree(seq.options.shape, draft.tree.size, draft_ms)
+        self.metrics.tree(proposer.name, draft.tree.size, draft_ms)
         # draft-ahead runs a forward over the tree: none for a tree past the model's length
-        if self.worker is not None and seq.options.draft_ahead and seq.proposer.uses_model \
+        if self.worker is not None and seq.options.draft_ahead and own and proposer.uses_model \
                 and fits(seq.state, draft.tree):
-            seq.round = Round(seq.state, draft.tree, seq.proposer, budget, depth, self.ahead,
+            seq.round = Round(seq.state, draft.tree, proposer, budget, depth, self.ahead,
                               predictions=hit.predictions if hit is not None else None)
             self.worker.submit(seq.round)
         return reply

@@ -46,13 +46,14 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
 
 
 def shape_name(value: int) -> str | None:
-    """The shape a DraftOptions.shape value names (None: unspecified, the drafter's default). A
-    value this drafter does not know (from a newer client) is refused, not drafted as the default."""
+    """The shape a TreeShape value names (None: unspecified, the drafter's default, or for one
+    tree the sequence's own). A value this drafter does not know (from a newer client) is refused,
+    not drafted as the default."""
     if value == pb.TREE_SHAPE_UNSPECIFIED:
         return None
     name = SHAPE_NAMES.get(value)
     if name is None:
-        raise InvalidArgument(f"unknown DraftOptions.shape {value}; known: "
+        raise InvalidArgument(f"unknown tree shape {value}; known: "
                               + ", ".join(f"{v} ({n})" for v, n in sorted(SHAPE_NAMES.items())))
     return name
 
@@ -60,7 +61,7 @@ def shape_name(value: int) -> str | None:
 def call_from_proto(req) -> DraftCall:
     outcome = Outcome.from_proto(req.outcome) if req.HasField("outcome") else None
     return DraftCall(req.sequence_id, int(req.committed_length), tuple(int(t) for t in req.appended_tokens),
-                     int(req.root_token), outcome, int(req.node_budget))
+                     int(req.root_token), outcome, int(req.node_budget), shape_name(req.shape))
 
 
 def reply_to_proto(reply: DraftReply):

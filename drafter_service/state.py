@@ -1,9 +1,10 @@
 """Per-sequence draft state, kept in step with the verifier's committed length.
 
 `DraftState` holds the committed tokens (for n-gram lookup) and, with a draft model, the state slot
-that has consumed exactly those tokens plus the last verification done on it. Advancing by the
-accepted tokens reuses that verification: the accepted path's per-node states are committed without
-another forward pass, and only tokens outside the verified tree are decoded.
+that has consumed those tokens (or will, before its next forward pass: trees that need no model
+leave it behind) plus the last verification done on it. Catching up reuses that verification: the
+accepted path's per-node states are committed without another forward pass, and only tokens
+outside the verified tree are decoded.
 
 Every forward pass is on this one slot with one tree, so a state forked from it and driven through
 the same calls ends up bit-identical (draft-ahead depends on it).
@@ -71,6 +72,8 @@ class DraftState:
     model: DraftModel | None = None
     slot: int | None = None
     verified: Verified | None = field(default=None, repr=False)
+    # committed tokens the model's slot has not consumed yet (`advance` leaves them to `_catch_up`)
+    behind: list[int] = field(default_factory=list, repr=False)
     # checked before every forward pass: background work on a forked state stops within one pass
     abandoned: Callable[[], bool] | None = field(default=None, repr=False)
 
@@ -100,7 +103,7 @@ class DraftState:
         """One forward pass of the draft model over `tree` (root at the committed length): logits
         (len(rows), K) over the head's columns at nodes `rows` (None: all N nodes; empty: none).
         Leaves the slot ready to commit any path of `tree` without a forward pass."""
-        self._still_wanted()
+        self._catch_up()
         # the previous verification can no longer be committed from once this one exists: let go of
         # it first, so a shared graph stash need not copy its rows out before the replay
         self.verified = None
@@ -114,7 +117,7 @@ class DraftState:
     def grow(self, root: int, budget: int, depth: int) -> "Draft":
         """A dynamic tree grown on the model's device (`DraftModel.grow`); leaves the slot ready to
         commit any path of the last level's tree without a forward pass."""
-        self._still_wanted()
+        self._catch_up()
         self.verified = None  # as in `logits`: the last verification is let go first
         draft, self.verified = self.model.grow(self.slot, root, budget, depth, self.picker, self._still_wanted)
         return draft
@@ -145,14 +148,24 @@ class DraftState:
 
     # ---- keeping in step ----------------------------------------------------------------------
     def advance(self, tokens: Sequence[int]) -> None:
-        """Consume newly committed tokens."""
+        """Take newly committed tokens: into the history at once, into the model's slot before its
+        next forward pass (`_catch_up`). So an n-gram tree drafted for a sequence that has a model
+        (a per-tree shape) costs no forward, and the model later consumes every token it missed
+        in one pass, still reusing its last verification."""
         if not tokens:
             return
         if self.model is not None:
-            self._still_wanted()
-            self.model.advance(self.slot, self.verified, tokens)
-            self.verified = None
+            self.behind.extend(int(t) for t in tokens)
         self.history.extend(tokens)
+
+    def _catch_up(self) -> None:
+        """Let the model's slot consume the tokens it is behind by (before any forward pass on it,
+        and before a fork copies it)."""
+        self._still_wanted()
+        if self.behind:
+            self.model.advance(self.slot, self.verified, self.behind)
+            self.verified = None
+            self.behind = []
 
     def _still_wanted(self) -> None:
         if self.abandoned is not None and self.abandoned():
@@ -162,6 +175,7 @@ class DraftState:
         """An independent copy (a forked slot, no verification); None when no slot is free."""
         slot = None
         if self.model is not None:
+            self._catch_up()
             slot = self.model.fork(self.slot)
             if slot is None:
                 return None
@@ -172,3 +186,4 @@ class DraftState:
             self.model.free(self.slot)
         self.slot = None
         self.verified = None
+        self.behind = []

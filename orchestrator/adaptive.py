@@ -1,4 +1,5 @@
-"""Adaptive speculation: how many tree nodes to ask the drafter for, step by step.
+"""Adaptive speculation: how many tree nodes to ask the drafter for, and in which regime, step by
+step.
 
 A step with a budget of b nodes emits tau(b) tokens on average (accepted drafts plus the bonus
 token; tau(1) = 1 exactly: plain decoding) and costs step_ms(b). The engine wants the most tokens
@@ -9,7 +10,10 @@ picks
 
 over the budgets it allows (powers of two up to its cap). b* = 1 turns speculation off. Alone on
 a GPU a node is nearly free and big trees win; in a large batch each node costs about as much as
-a token of another sequence, and the same formula turns speculation off.
+a token of another sequence, and the same formula turns speculation off. A request that may draft
+in several regimes (`AdaptivePolicy.also`: one that left the tree shape to the server also tries
+n-gram trees) takes the argmax over (regime, budget) pairs, each priced by its regime's acceptance
+and drafting overhead.
 
 - tau(b) is an exponential moving average of the tokens emitted per step at budget b, per request
   (acceptance depends on the text), falling back to the average of the engine's requests of the
@@ -31,7 +35,8 @@ a token of another sequence, and the same formula turns speculation off.
   kind never seen is priced like the dearest of its regimes seen alone, else like the cheapest
   kind seen.
 - Every `probe_every` steps of the engine the request may try a neighbour of its best budget
-  (alternately one larger and one smaller) so the estimates stay current; while speculation is
+  (in turn one larger, one smaller and, with several regimes, the best tree of another regime) so
+  the estimates stay current; while speculation is
   off it tries the best-scoring budget above 1 instead, because drafting has a fixed cost per step
   (a drafter RPC, a draft-model forward per tree level): budget 2 may not pay where 8 does, so
   probing only 2 could keep speculation off for good. During the first `warmup` steps the cadence is every
@@ -62,7 +67,7 @@ a token of another sequence, and the same formula turns speculation off.
   probe alone pay for one between them. A probe the estimates call as good as the best is free; one
   dearer than the credit can ever hold is taken when the credit is nearly full (a few times in ten
   thousand steps), or a stale estimate could keep speculation off for good. A refused neighbour
-  does not block the other one: the direction alternates whether the probe is taken or not.
+  does not block the others: the turn moves on whether the probe is taken or not.
   Without this rule, a drafter that costs several plain steps per tree made every probe expensive:
   the medium pair's default requests ran at 0.55x plain decoding on a GPU while leaving
   speculation off on 9 steps in 10 (BENCHMARKS.md, twenty-eighth round). Until the engine has
@@ -103,6 +108,17 @@ def temperature_band(temperature: float) -> int:
     return next((i for i, top in enumerate(TEMPERATURE_BANDS) if temperature <= top), len(TEMPERATURE_BANDS))
 
 
+class Choice(NamedTuple):
+    """A request's next step: a tree of at most `budget` nodes drafted in `regime` (budget 1: no
+    draft, regime None; budget 0: the drafter's default budget)."""
+
+    budget: int
+    regime: Hashable | None
+
+
+NO_DRAFT = Choice(1, None)
+
+
 @dataclass(frozen=True)
 class Part:
     """One request's part in the next step: the `nodes` it verifies (1: no draft), the `tokens` it
@@ -123,19 +139,19 @@ def batch_ms(cost: "CostModel", plans: list[Part]) -> float:
 @dataclass(frozen=True)
 class Seat:
     """A request's place in a step, for `choose_for_batch`: its `policy` (None: speculation off),
-    its `regime` and its regime's `shared` acceptance, what it verified and emitted at the last
-    step, and whether it asked for a draft then."""
+    the `regime` of its last draft, the engine's `shared` acceptance tables, what it verified and
+    emitted at the last step, and whether it asked for a draft then."""
 
     policy: object  # AdaptivePolicy, FixedPolicy or None
     regime: Hashable
-    shared: "AcceptanceTable | None"
+    shared: "RegimeTables | None"
     last_nodes: int = 1
     last_tokens: int = 1
     asked: bool = False
 
 
-def choose_for_batch(cost: "CostModel", seats: list[Seat]) -> list[int]:
-    """The budgets of a batch's next trees (1: no draft; 0: the drafter's default). Each policy
+def choose_for_batch(cost: "CostModel", seats: list[Seat]) -> list[Choice]:
+    """The batch's next trees: a budget and a regime each (`Choice`). Each policy
     chooses against the rest of the batch as the last step had it (the drafts likely to come again:
     pinned, or a policy's settled choice; a probe or a start budget is not); then the batch's own
     checks: a step with only the pinned requests drafting, never seen, is tried once to measure it;
@@ -144,10 +160,10 @@ def choose_for_batch(cost: "CostModel", seats: list[Seat]) -> list[int]:
     is expected to emit the most a millisecond (`batch_rate`)."""
     drafted = collections.Counter(s.regime for s in seats if _drafts_again(s))  # regime -> requests
     nodes, tokens = sum(s.last_nodes for s in seats), sum(s.last_tokens for s in seats)
-    budgets, chosen, on, off = [], [], [], []
+    choices, chosen, on, off = [], [], [], []
     for s in seats:
         if s.policy is None:
-            budgets.append(1)
+            choices.append(NO_DRAFT)
             chosen.append(Part(1, 1.0, None))
             on.append(chosen[-1])
             off.append(chosen[-1])
@@ -157,28 +173,28 @@ def choose_for_batch(cost: "CostModel", seats: list[Seat]) -> list[int]:
             others[s.regime] -= 1
         args = (cost, nodes - s.last_nodes, s.shared, tokens - s.last_tokens, frozenset(+others))
         budget = s.policy.choose(*args)
-        budgets.append(budget)
-        chosen.append(_part(s, budget))
+        choices.append(Choice(budget, s.policy.current) if budget != 1 else NO_DRAFT)
+        chosen.append(_part(s, choices[-1]))
         settled = s.policy.settled
         on.append(_part(s, s.policy.best_if_shared(*args)) if settled else chosen[-1])
-        off.append(_part(s, 1) if settled else chosen[-1])
+        off.append(_part(s, NO_DRAFT) if settled else chosen[-1])
     pinned = {p.regime for p in chosen if p.pinned and p.regime is not None}
     if any(p.regime is not None and not p.pinned for p in chosen) and cost.try_measuring(pinned):
         # such a step (plain, or only the pinned requests drafting) is priced like one with more
         # drafts (`overhead_ms`) until one is seen, and could never win against a dear drafter:
         # one step measures it (a probe chosen now is dropped until its next turn)
-        return [b if p.pinned else 1 for b, p in zip(budgets, chosen)]
+        return [c if p.pinned else NO_DRAFT for c, p in zip(choices, chosen)]
     best = max((chosen, on, off), key=lambda plans: batch_rate(cost, plans))  # a tie: as chosen
-    return [b if p is q else q.nodes for b, p, q in zip(budgets, chosen, best)]
+    return [c if p is q else Choice(q.nodes, q.regime) for c, p, q in zip(choices, chosen, best)]
 
 
-def _part(s: Seat, budget: int) -> Part:
-    if budget == 1:
+def _part(s: Seat, choice: Choice) -> Part:
+    if choice.budget == 1:
         return Part(1, 1.0, None, s.policy.pinned)
     # the drafter's default budget (0): as many nodes as its last tree, which may have been a
     # one-node stand-in (after a prefill, or a late draft)
-    size = budget or max(2, s.last_nodes)
-    return Part(size, s.policy.estimate(size, s.shared), s.regime, s.policy.pinned)
+    size = choice.budget or max(2, s.last_nodes)
+    return Part(size, s.policy.estimate(size, s.shared, choice.regime), choice.regime, s.policy.pinned)
 
 
 def _drafts_again(s: Seat) -> bool:
@@ -366,112 +382,155 @@ class _KinTable(AcceptanceTable):
 
 @dataclass
 class AdaptivePolicy:
-    """Per-request budget choice. `cap`: the largest budget allowed (the request's node budget or
-    the verifier's tree limit); `start`: the budget used until some acceptance has been measured;
-    `regime`: the request's (what its speculative steps are priced by; `shared` tables passed to
-    `choose` and `observe` are its regime's)."""
+    """Per-request choice of the next tree: its budget and the regime it is drafted in. `cap`: the
+    largest budget allowed (the request's node budget or the verifier's tree limit); `start`: the
+    budget used until some acceptance has been measured; `regime`: the request's own (its start,
+    and the first on a tie); `also`: other regimes it may draft in (a request that left the tree
+    shape to the server also tries n-gram trees: `RegimeTables` and the cost model price each
+    regime apart, so the cheaper shape wins where it emits as much). `current`: the regime of the
+    latest choice that drafts. `shared` arguments are the engine's `RegimeTables`."""
 
     cap: int
     start: int = 8
     regime: Hashable = Regime(0, 0)
+    also: tuple = ()
     probe_every: int = 16
     warmup: int = 12
-    table: AcceptanceTable = field(default_factory=AcceptanceTable)
+    tables: dict = field(default_factory=dict)  # regime -> this request's own AcceptanceTable
     steps: int = 0
-    best: int = 0
     settled: bool = False
     pinned = False  # the engine chooses its budgets
-    _probe_up: bool = True
+    _turn: int = 0  # the next neighbour to probe (`_neighbour`)
 
     def __post_init__(self):
         self.budgets = allowed_budgets(self.cap)
         self.start = max(b for b in self.budgets if b <= max(1, self.start))
+        self.regimes = (self.regime, *(g for g in dict.fromkeys(self.also) if g != self.regime))
+        self.options = [NO_DRAFT] + [Choice(b, g) for g in self.regimes for b in self.budgets if b > 1]
+        self._order = {o: i for i, o in enumerate(self.options)}
+        self.current = self.regime
+        self.best = NO_DRAFT
 
-    def estimate(self, budget: int, shared: AcceptanceTable | None) -> float:
-        own = self.table.get(budget)
-        if own is not None:
-            return own
+    def estimate(self, budget: int, shared: "RegimeTables | None", regime: Hashable | None = None) -> float:
+        """Tokens a step of `budget` drafted in `regime` (None: the request's own) is expected to emit."""
+        if budget == 1:
+            return 1.0
+        regime = self.regime if regime is None else regime
+        own = self.tables.get(regime)
+        if own is not None and own.get(budget) is not None:
+            return own.get(budget)
         if shared is not None:
-            measured = shared.get(budget)
+            table = shared[regime]
+            measured = table.get(budget)
             if measured is not None:
                 return measured
-            kin = shared.kin(budget)
+            kin = table.kin(budget)
             if kin is not None:
                 return kin  # a guess, which a probe of this budget corrects
-        smaller = [self.table.get(b) for b in self.budgets if b < budget and self.table.get(b) is not None]
+        smaller = [own.get(b) for b in self.budgets if b < budget and own.get(b) is not None] if own else []
         return max(smaller) if smaller else 1.0
 
-    def choose(self, cost: CostModel, other_nodes: int = 0, shared: AcceptanceTable | None = None,
+    def choose(self, cost: CostModel, other_nodes: int = 0, shared: "RegimeTables | None" = None,
                other_tokens: float = 0.0, other_drafted: frozenset = frozenset()) -> int:
-        """Budget for this request's next tree. `other_nodes` / `other_tokens` / `other_drafted`:
-        what the rest of the batch verifies / emits per step, and the regimes of those of its
-        requests that ask for drafts. Sets `settled`: the choice is the best by the estimates (not
-        the start budget, not a probe)."""
+        """Budget for this request's next tree, drafted in `current`. `other_nodes` /
+        `other_tokens` / `other_drafted`: what the rest of the batch verifies / emits per step, and
+        the regimes of those of its requests that ask for drafts. Sets `settled`: the choice is
+        the best by the estimates (not the start budget, not a probe)."""
         self.steps += 1
         self.settled = False
-        if not self.table.tau and (shared is None or not shared.tau):
-            self.best = self.start
+        if not self._measured(shared):
+            self.best = Choice(self.start, self.regime) if self.start > 1 else NO_DRAFT
+            self.current = self.regime
             return self.start
         times, tokens, scores = self._scores(cost, other_nodes, shared, other_tokens, other_drafted)
-        rank = lambda b: (scores[b], -b)  # the best score; on a tie, the smaller budget
-        self.best = max(self.budgets, key=rank)
+        rank = self._rank(scores)
+        self.best = max(self.options, key=rank)
         every = 2 if self.steps <= self.warmup else self.probe_every
         clock = self.steps if self.steps <= self.warmup else cost.steps  # after the warm-up, the batch's
-        if every and clock % every == 0 and len(self.budgets) > 1:
+        if every and clock % every == 0 and len(self.options) > 1:
             # off: re-check the most promising tree, not just the smallest
-            probe = max(self.budgets[1:], key=rank) if self.best == 1 else self._neighbour(self.best)
+            probe = max(self.options[1:], key=rank) if self.best == NO_DRAFT else self._neighbour(self.best, rank)
             if cost.afford(times[probe] - tokens[probe] / scores[self.best]):
-                return probe
+                return self._take(probe)
         self.settled = True
-        return self.best
+        return self._take(self.best)
 
-    def best_if_shared(self, cost: CostModel, other_nodes: int, shared: AcceptanceTable | None,
-                       other_tokens: float, other_drafted: frozenset) -> int:
-        """The best budget were the rest of the batch drafting in this request's regime too (its
-        drafting overhead paid by the step either way), without changing the policy's state."""
-        _, _, scores = self._scores(cost, other_nodes, shared, other_tokens, other_drafted | {self.regime})
-        return max(self.budgets, key=lambda b: (scores[b], -b))
+    def best_if_shared(self, cost: CostModel, other_nodes: int, shared: "RegimeTables | None",
+                       other_tokens: float, other_drafted: frozenset) -> Choice:
+        """The best choice were the rest of the batch drafting in this request's current regime
+        too (its drafting overhead paid by the step either way), without changing the policy's
+        state."""
+        _, _, scores = self._scores(cost, other_nodes, shared, other_tokens, other_drafted | {self.current})
+        return max(self.options, key=self._rank(scores))
 
-    def _scores(self, cost: CostModel, other_nodes: int, shared: AcceptanceTable | None, other_tokens: float,
+    def _measured(self, shared: "RegimeTables | None") -> bool:
+        """Whether any acceptance of its regimes is known (its own, or the engine's)."""
+        return any(t.tau for t in self.tables.values()) or (
+            shared is not None and any(g in shared and shared[g].tau for g in self.regimes))
+
+    def _take(self, choice: Choice) -> int:
+        if choice.regime is not None:
+            self.current = choice.regime
+        return choice.budget
+
+    def _rank(self, scores: dict):
+        """The best score; on a tie, the smaller budget, then the request's own regime."""
+        return lambda o: (scores[o], -o.budget, -self._order[o])
+
+    def _scores(self, cost: CostModel, other_nodes: int, shared: "RegimeTables | None", other_tokens: float,
                 other_drafted: frozenset) -> tuple[dict, dict, dict]:
-        """Per budget: the step's time, the batch's tokens and their ratio."""
-        mine = other_drafted | {self.regime}
-        times = {b: max(1e-6, cost.step_ms(other_nodes + b, mine if b > 1 else other_drafted)) for b in self.budgets}
-        tokens = {b: self.estimate(b, shared) + other_tokens for b in self.budgets}
-        return times, tokens, {b: tokens[b] / times[b] for b in self.budgets}
+        """Per option: the step's time, the batch's tokens and their ratio."""
+        times, tokens, scores = {}, {}, {}
+        for o in self.options:
+            drafted = other_drafted | {o.regime} if o.budget > 1 else other_drafted
+            times[o] = max(1e-6, cost.step_ms(other_nodes + o.budget, drafted))
+            tokens[o] = self.estimate(o.budget, shared, o.regime) + other_tokens
+            scores[o] = tokens[o] / times[o]
+        return times, tokens, scores
 
-    def _neighbour(self, b: int) -> int:
-        """The next neighbour of `b` to probe: alternately one larger and one smaller (at the ends,
-        the only one there is), whether the probe is then taken or not (a dear one must not block
-        the other)."""
-        i = self.budgets.index(b)
-        up = i + 1 < len(self.budgets)
-        down = i > 0
-        go_up = (self._probe_up and up) or not down
-        self._probe_up = not self._probe_up
-        return self.budgets[i + 1] if go_up else self.budgets[i - 1]
+    def _neighbour(self, best: Choice, rank) -> Choice:
+        """The next neighbour of `best` to probe, in turn: one budget larger, one smaller (budget 1:
+        no draft), and with other regimes the best tree of another regime. One that does not exist
+        gives its turn to the next; the turn moves on whether the probe is then taken or not (a dear
+        one must not block the others)."""
+        i = self.budgets.index(best.budget)
+        up = Choice(self.budgets[i + 1], best.regime) if i + 1 < len(self.budgets) else None
+        down = (Choice(self.budgets[i - 1], best.regime) if i > 1 else NO_DRAFT) if i > 0 else None
+        across = max((o for o in self.options if o.regime not in (None, best.regime)), key=rank, default=None)
+        turns = (up, down, across) if len(self.regimes) > 1 else (up, down)
+        turn, self._turn = self._turn % len(turns), self._turn + 1
+        return next(o for o in turns[turn:] + turns[:turn] if o is not None)
 
-    def observe(self, budget: int, emitted: int, shared: AcceptanceTable | None = None) -> None:
-        self.table.observe(budget, emitted)
+    def observe(self, budget: int, emitted: int, shared: "RegimeTables | None" = None,
+                regime: Hashable | None = None) -> None:
+        """A step of `budget` drafted in `regime` (None: the request's own) emitted `emitted` tokens."""
+        regime = self.regime if regime is None else regime
+        self.tables.setdefault(regime, AcceptanceTable()).observe(budget, emitted)
         if shared is not None:
-            shared.observe(budget, emitted)
+            shared[regime].observe(budget, emitted)
 
 
 @dataclass
 class FixedPolicy:
-    """Always the same budget (0: the drafter's default; 1: no speculation)."""
+    """Always the same budget (0: the drafter's default; 1: no speculation), in `regime`."""
 
     budget: int
+    regime: Hashable = Regime(0, 0)
     settled = False  # never turned off for the batch's sake: the client chose
     pinned = True
 
-    def choose(self, cost: CostModel, other_nodes: int = 0, shared: AcceptanceTable | None = None,
+    @property
+    def current(self) -> Hashable:
+        return self.regime
+
+    def choose(self, cost: CostModel, other_nodes: int = 0, shared: "RegimeTables | None" = None,
                other_tokens: float = 0.0, other_drafted: frozenset = frozenset()) -> int:
         return self.budget
 
-    def estimate(self, budget: int, shared: AcceptanceTable | None) -> float:
-        return (shared.get(budget) if shared is not None else None) or 1.0
+    def estimate(self, budget: int, shared: "RegimeTables | None", regime: Hashable | None = None) -> float:
+        return (shared[self.regime if regime is None else regime].get(budget) if shared is not None else None) or 1.0
 
-    def observe(self, budget: int, emitted: int, shared: AcceptanceTable | None = None) -> None:
+    def observe(self, budget: int, emitted: int, shared: "RegimeTables | None" = None,
+                regime: Hashable | None = None) -> None:
         if shared is not None and budget > 1:
-            shared.observe(budget, emitted)
+            shared[self.regime if regime is None else regime].observe(budget, emitted)

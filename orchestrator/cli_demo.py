@@ -3,8 +3,9 @@ greedily with and without speculation, show them (they must be identical) with t
 speedup and tokens per target forward pass (tau), then shut down. Works offline.
 
 Speculative runs: a fixed tree or chain (what the drafter achieves), and by default also the
-adaptive policy, which may shrink the trees or turn speculation off where it does not pay; the
-demo then says what the policy chose and why."""
+adaptive policy, which may shrink the trees, draft them by n-gram lookup instead of the draft
+model, or turn speculation off where it does not pay; the demo then says what the policy chose and
+why."""
 from __future__ import annotations
 
 import argparse
@@ -124,8 +125,9 @@ def adaptive_note(plain: list[Result], fixed: list[Result], adaptive: list[Resul
         if fixed_ms >= plain_ms:
             return f"{off}, because\n  {cost}: drafting costs more than it saves on this machine"
         return f"{off}, although\n  {cost}: too few steps for the policy to learn that trees pay"
+    tau = sum(r.mean_accepted for r in adaptive) / len(adaptive)
     return (f"adaptive policy: trees on {len(trees)} of {len(steps)} steps, typically {trees[len(trees) // 2]} "
-            f"nodes;\n  {cost}")
+            f"nodes, tau {tau:.2f} (each tree the draft model's or an n-gram lookup's, whichever pays);\n  {cost}")
 
 
 def _compare(client: GenerationClient, prompts: list[str], args: argparse.Namespace) -> int:

@@ -38,7 +38,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import grpc
 
@@ -67,6 +67,16 @@ SYNC_POLL_S = 0.001
 DIRECT_CONNECT_S = 2.0
 
 
+class Want(NamedTuple):
+    """A tree the engine asks for: at committed `length`, rooted at `root`, of at most `budget`
+    nodes (0: the sequence's budget) and of tree `shape` (a TreeShape; UNSPECIFIED: the sequence's)."""
+
+    length: int
+    root: int
+    budget: int
+    shape: int = pb.TREE_SHAPE_UNSPECIFIED
+
+
 @dataclass
 class _Seq:
     sampling: object  # pb.SamplingParams
@@ -75,7 +85,7 @@ class _Seq:
     known: int = 0  # committed length the drafter has
     inflight: Optional[int] = None  # committed length of the outstanding request
     sent_at: float = 0.0
-    wanted: Optional[tuple] = None  # a request to send once in sync: (length, root, budget)
+    wanted: Optional[Want] = None  # a request to send once in sync
     result: Optional[tuple] = None  # (length, TokenTree, from_draft_ahead, draft_ms)
 
 
@@ -183,9 +193,9 @@ class DraftLink:
         if known and end:
             self._work.put(("end", sid))
 
-    def request(self, sid: str, length: int, root: int, budget: int, outcome: Outcome | None) -> bool:
-        """Ask for the tree to verify at committed `length` with root `root`. Returns whether an
-        answer may come (the engine then waits for it in `take`)."""
+    def request(self, sid: str, want: Want, outcome: Outcome | None) -> bool:
+        """Ask for the tree to verify at committed `want.length` with root `want.root`. Returns
+        whether an answer may come (the engine then waits for it in `take`)."""
         with self._cv:
             seq = self._seqs.get(sid)
             if seq is not None:
@@ -195,14 +205,14 @@ class DraftLink:
             if seq is None or not self._up:
                 return False
             if seq.state == SYNCING:
-                seq.wanted = (length, root, budget)
+                seq.wanted = want
                 return True
             if seq.inflight is not None:
                 if time.monotonic() - seq.sent_at > self._stuck_after:
                     log.warning("drafter has not answered %s for %.0f s: reconnecting", sid, self._stuck_after)
                     self._mark_down_locked()
                 return False
-            self._send_locked(sid, seq, length, root, budget, outcome)
+            self._send_locked(sid, seq, want, outcome)
             return True
 
     def take(self, expect: dict[str, int], timeout: float) -> dict[str, tuple]:
@@ -306,15 +316,16 @@ class DraftLink:
             if seq is None or seq.state != READY or seq.wanted is None or seq.inflight is not None:
                 continue  # gone, down again, or superseded by a newer request
             wanted, seq.wanted = seq.wanted, None
-            if wanted[0] >= seq.known:
-                self._send_locked(sid, seq, wanted[0], wanted[1], wanted[2], None)
+            if wanted.length >= seq.known:
+                self._send_locked(sid, seq, wanted, None)
 
-    def _send_locked(self, sid, seq: _Seq, length: int, root: int, budget: int, outcome: Outcome | None) -> None:
+    def _send_locked(self, sid, seq: _Seq, want: Want, outcome: Outcome | None) -> None:
+        length = want.length
         tokens = self._tokens_of(sid)
         if tokens is None or len(tokens) < length:
             return
         req = pb.DraftRequest(sequence_id=sid, committed_length=length, appended_tokens=list(tokens[seq.known:length]),
-                              root_token=root, node_budget=max(0, budget))
+                              root_token=want.root, node_budget=max(0, want.budget), shape=want.shape)
         if outcome is not None and seq.known == length - len(outcome.accepted_nodes):
             req.outcome.CopyFrom(outcome.to_proto())
         seq.known = length
@@ -493,8 +504,8 @@ class DraftLink:
             self.stats.resyncs += 1
             if self._direct is None:
                 wanted, seq.wanted = seq.wanted, None
-                if wanted is not None and wanted[0] >= seq.known:
-                    self._send_locked(sid, seq, wanted[0], wanted[1], wanted[2], None)
+                if wanted is not None and wanted.length >= seq.known:
+                    self._send_locked(sid, seq, wanted, None)
             else:  # on the direct port the engine's thread sends `wanted` (`_send_wanted_locked`)
                 self._restarted.add(sid)
             self._cv.notify_all()

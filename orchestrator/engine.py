@@ -40,9 +40,9 @@ from typing import Iterable, Optional
 
 import grpc
 
-from orchestrator.adaptive import (AdaptivePolicy, CostModel, FixedPolicy, Regime, RegimeTables, Seat,
+from orchestrator.adaptive import (AdaptivePolicy, Choice, CostModel, FixedPolicy, Regime, RegimeTables, Seat,
                                    choose_for_batch)
-from orchestrator.draft_link import DraftLink
+from orchestrator.draft_link import DraftLink, Want
 from orchestrator.request import CANCELLED, Event, RequestSpec, RequestState
 from orchestrator.steps import accept, advance, fit_tree, in_original, take_output, tree_limits
 from treeserve.acceptance import Outcome
@@ -271,8 +271,8 @@ def make_policy(spec: RequestSpec, info: VerifierInfo):
         return FixedPolicy(1)
     if sp.adaptive:
         cap = min(sp.node_budget or ADAPTIVE_CAP, info.max_tree_nodes)
-        return AdaptivePolicy(cap=cap, start=min(cap, ADAPTIVE_START), regime=spec.regime)
-    return FixedPolicy(min(sp.node_budget, info.max_tree_nodes))
+        return AdaptivePolicy(cap=cap, start=min(cap, ADAPTIVE_START), regime=spec.regime, also=spec.other_regimes)
+    return FixedPolicy(min(sp.node_budget, info.max_tree_nodes), spec.regime)
 
 
 class Engine:
@@ -485,7 +485,7 @@ class Engine:
             return
         step_ms = (time.perf_counter() - t0) * 1e3
         nodes = sum(t.size for t in trees)
-        self.cost.observe(nodes, resp.forward_ms, step_ms, {r.spec.regime for r in asked})
+        self.cost.observe(nodes, resp.forward_ms, step_ms, {r.regime for r in asked})
         self.steps += 1
         done = []  # (request, outcome in the drafter's node indices or None, tokens out, finish)
         for r, tree, res in zip(batch, trees, resp.results):
@@ -503,7 +503,7 @@ class Engine:
                 continue
             r.failures = 0
             if r.from_drafter:
-                r.policy.observe(r.budget, len(outcome.accepted_nodes), self.shared[r.spec.regime])
+                r.policy.observe(r.budget, len(outcome.accepted_nodes), self.shared, r.regime)
             out, finish = advance(r, tree, outcome, self.eos)
             r.last_nodes, r.last_tokens = tree.size, len(outcome.accepted_nodes)
             done.append((r, in_original(outcome, r.tree_map) if r.from_drafter else None, out, finish))
@@ -554,24 +554,28 @@ class Engine:
         if self.link is None:
             return
         asking = {id(r) for r in asked}
-        seats = [Seat(r.policy, r.spec.regime, self.shared[r.spec.regime], r.last_nodes, r.last_tokens, id(r) in asking)
-                 if r.spec.speculation.enabled else Seat(None, r.spec.regime, None) for r, _ in going]
-        for (r, told), budget in zip(going, choose_for_batch(self.cost, seats)):
-            self._request_draft(r, told, budget)
+        seats = [Seat(r.policy, r.regime, self.shared, r.last_nodes, r.last_tokens, id(r) in asking)
+                 if r.spec.speculation.enabled else Seat(None, r.regime, None) for r, _ in going]
+        for (r, told), choice in zip(going, choose_for_batch(self.cost, seats)):
+            self._request_draft(r, told, choice)
 
-    def _request_draft(self, r: RequestState, outcome: Outcome | None, budget: int | None = None) -> None:
-        """Ask for `r`'s next tree (budget None: its policy's choice as if it were alone; the
-        batch's own checks wait for its first step, `_request_drafts`)."""
+    def _request_draft(self, r: RequestState, outcome: Outcome | None, choice: Choice | None = None) -> None:
+        """Ask for `r`'s next tree (choice None: its policy's as if it were alone; the batch's own
+        checks wait for its first step, `_request_drafts`). A tree of another regime than the
+        request's own asks the drafter for that regime's shape."""
         if self.link is None or not r.spec.speculation.enabled:
             return
-        if budget is None:
-            budget = r.policy.choose(self.cost, 0, self.shared[r.spec.regime], 0.0)
+        if choice is None:
+            budget = r.policy.choose(self.cost, 0, self.shared, 0.0)
+            choice = Choice(budget, r.policy.current)
         max_nodes, max_depth = tree_limits(r, self.info.max_tree_nodes, self.info.max_sequence_length)
-        if max_depth == 0 or budget == 1:
+        if max_depth == 0 or choice.budget == 1:
             r.budget = 1
             return
-        r.budget = min(budget, max_nodes) if budget else 0
-        r.awaiting_draft = self.link.request(r.request_id, r.committed, r.root, r.budget, outcome)
+        r.budget = min(choice.budget, max_nodes) if choice.budget else 0
+        r.regime = choice.regime
+        shape = r.regime.shape if r.regime.shape != r.spec.regime.shape else pb.TREE_SHAPE_UNSPECIFIED
+        r.awaiting_draft = self.link.request(r.request_id, Want(r.committed, r.root, r.budget, shape), outcome)
 
     def _committed_tokens(self, request_id: str):
         r = self._requests.get(request_id)

@@ -65,8 +65,22 @@ class RequestSpec:
     def regime(self) -> Regime:
         """What its acceptance and drafting cost depend on besides the text (`adaptive.Regime`):
         the tree shape it drafts, its temperature band, draft-ahead."""
-        temperature = 0.0 if self.sampling.greedy else self.sampling.temperature
-        return Regime(self.speculation.tree_shape, temperature_band(temperature), self.speculation.draft_ahead)
+        return Regime(self.speculation.tree_shape, self._band, self.speculation.draft_ahead)
+
+    @functools.cached_property
+    def other_regimes(self) -> tuple[Regime, ...]:
+        """The regimes an adaptive request may draft in besides its own. One that leaves the tree
+        shape to the server (tree mode, shape UNSPECIFIED) also tries n-gram trees: prompt lookup
+        costs the drafter no model pass, and on text that repeats itself it accepts as much as a
+        draft model. One that named a shape, or asked for chains, drafts only that."""
+        sp = self.speculation
+        if not sp.adaptive or sp.mode != "tree" or sp.shape != pb.TREE_SHAPE_UNSPECIFIED:
+            return ()
+        return (Regime(pb.TREE_SHAPE_NGRAM, self._band, False),)
+
+    @property
+    def _band(self) -> int:
+        return temperature_band(0.0 if self.sampling.greedy else self.sampling.temperature)
 
 
 # Finish reasons on the engine side (the front maps them to pb.FinishReason).
@@ -113,11 +127,16 @@ class RequestState:
     # drafting bookkeeping (engine-local; `Engine.adopt` resets what a move leaves stale)
     awaiting_draft: bool = False
     budget: int = 1
+    regime: Optional[Regime] = None  # the regime of its latest draft (None: its own, `spec.regime`)
     last_nodes: int = 1  # nodes verified / tokens emitted in the last step
     last_tokens: int = 1
     from_drafter: bool = False  # this step's tree came from the drafter
     tree_map: Optional[tuple[int, ...]] = None  # drafter's node index of each verified node, if cut
     reopen_drafter: bool = False  # moved here: this engine's drafter link must start it afresh
+
+    def __post_init__(self):
+        if self.regime is None:
+            self.regime = self.spec.regime
 
     @property
     def request_id(self) -> str:

@@ -318,3 +318,69 @@ def test_the_sweep_runs_on_its_own():
         wait_until(lambda: d.active() == 0)
     finally:
         d.close()
+
+
+def _counted(method, calls: list, name: str):
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return method(*args, **kwargs)
+    return counted
+
+
+def _same_tree(a, b) -> None:
+    """Equal tokens and parents; draft distributions equal within float rounding (the model's
+    state reached by other passes)."""
+    assert (a.tokens, a.parents) == (b.tokens, b.parents)
+    assert (a.draft is None) == (b.draft is None)
+    for da, db in zip(a.draft or (), b.draft or ()):
+        assert (da is None) == (db is None)
+        if da is not None:
+            assert da.tokens == db.tokens
+            assert da.probs == pytest.approx(db.probs, abs=1e-5)
+
+
+def test_a_tree_of_another_shape_costs_the_model_nothing_and_drafting_with_it_catches_up(draft_model, drafter,
+                                                                                          prompt, monkeypatch):
+    """A sequence started with the model's dynamic shape asks for an n-gram tree: it is the n-gram
+    drafter's tree for the same text, no forward pass runs (the tokens wait in `behind`), and the
+    draft-ahead tree prepared meanwhile is not taken. Its next dynamic tree, after the model
+    caught up on every token it missed, is the tree of a sequence started with all of them."""
+    L = len(prompt)
+    drafter.start("a", prompt)
+    first = drafter.draft(DraftCall("a", L, (), 5)).tree
+    kid = first.children(0)[0]
+    appended = (5, first.tokens[kid])
+    drafter.wait_idle()
+    passes = []
+    for name in ("verify", "grow", "advance"):
+        monkeypatch.setattr(draft_model, name, _counted(getattr(draft_model, name), passes, name))
+    lookup = drafter.draft(DraftCall("a", L + 2, appended, 9, Outcome((0, kid), 9), shape="ngram"))
+    assert passes == [] and drafter._seqs["a"].state.behind == list(appended)
+    assert not lookup.from_draft_ahead and lookup.tree.draft is None
+    only_ngram = Drafter(None, Options("ngram", 8, 3, False))
+    try:
+        only_ngram.start("a", list(prompt) + list(appended))
+        assert lookup.tree == only_ngram.draft(DraftCall("a", L + 2, (), 9)).tree
+    finally:
+        only_ngram.close()
+    more = (9, 11, 12)  # past the n-gram tree: tokens the model decodes when it catches up
+    got = drafter.draft(DraftCall("a", L + 5, more, 13)).tree
+    assert drafter._seqs["a"].state.behind == [] and passes[0] == "advance"
+    monkeypatch.undo()
+    fresh = Drafter(draft_model, Options("dynamic", 8, 3, False))
+    try:
+        fresh.start("a", list(prompt) + list(appended) + list(more))
+        _same_tree(got, fresh.draft(DraftCall("a", L + 5, (), 13)).tree)
+    finally:
+        fresh.close()
+
+
+def test_a_trees_shape_the_sequence_cannot_serve_is_refused_and_changes_nothing(draft_model, drafter, prompt):
+    L = len(prompt)
+    drafter.start("a", prompt)
+    drafter.start("n", prompt, options=Options("ngram", 8, 3, False))
+    for call in (DraftCall("a", L, (), 5, shape="fused"), DraftCall("a", L, (), 5, shape="cubic"),
+                 DraftCall("n", L, (), 5, shape="dynamic")):
+        assert code_of(lambda: drafter.draft(call)) == grpc.StatusCode.INVALID_ARGUMENT, call
+    assert drafter.draft(DraftCall("a", L, (), 5, shape="chain")).tree.size > 1  # a model shape that picks alike
+    assert drafter.draft(DraftCall("n", L, (), 5)).tree.tokens[0] == 5

@@ -115,3 +115,18 @@ def test_bytes_that_do_not_parse_are_invalid_argument_unary_and_streamed(ngram):
             assert client.stats().strategy
     finally:
         server.stop()
+
+
+def test_a_trees_unknown_or_unserved_shape_is_refused_in_its_response(ngram):
+    """A Speculate request's per-tree shape: unknown (from a newer client) or one the sequence's
+    state cannot serve (a model shape on an n-gram drafter) is that request's INVALID_ARGUMENT; the
+    next request of the stream is served."""
+    servicer = DrafterServicer(ngram, max_streams=1)
+    servicer.StartSequence(pb.StartSequenceRequest(sequence_id="s", tokens=[1, 2, 3, 1, 2]), Context())
+    unknown = pb.DraftRequest(sequence_id="s", committed_length=5, root_token=3, shape=42)
+    answers = [servicer._draft(r) for r in (unknown, draft_request("s", 5, 3, shape="dynamic"),
+                                            draft_request("s", 5, 3, shape="ngram"))]
+    for bad in answers[:2]:
+        assert bad.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], bad
+    assert "42" in answers[0].error.message and "draft model" in answers[1].error.message
+    assert not answers[2].HasField("error") and list(answers[2].tree.tokens)[:2] == [3, 1]

@@ -57,4 +57,5 @@ def test_note_when_the_policy_drafts():
     fixed = [result([(16, 4, 20.0)] * 10)]
     adaptive = [result([(8, 4, 20.0)] * 9 + [(16, 4, 22.0)] * 4 + [(1, 1, 10.0)] * 2)]
     note = adaptive_note(PLAIN, fixed, adaptive, "fixed tree")
-    assert note.startswith("adaptive policy: trees on 13 of 15 steps, typically 8 nodes")
+    assert note.startswith("adaptive policy: trees on 13 of 15 steps, typically 8 nodes, tau 3.44")
+    assert "n-gram lookup" in note  # trees of either drafting, chosen tree by tree

@@ -10,7 +10,7 @@ import pytest
 from drafter_service.client import DrafterClient
 from drafter_service.engine import Drafter
 from drafter_service.servicer import DrafterServicer, serve
-from orchestrator.draft_link import DraftLink, PendingEnds
+from orchestrator.draft_link import DraftLink, PendingEnds, Want
 from tests.orchestrator.stack import wait_until
 from treeserve.server import Server
 from treeserve.v1 import treeserve_pb2 as pb
@@ -138,7 +138,7 @@ def direct(drafter):
 def draft_step(link: DraftLink, log: dict, timeout: float = 5.0):
     """Ask for the tree after the log's last token and wait for it: (asked, tree or None)."""
     n = len(log["s"])
-    asked = link.request("s", n - 1, log["s"][-1], 8, None)
+    asked = link.request("s", Want(n - 1, log["s"][-1], 8), None)
     got = link.take({"s": n - 1}, timeout) if asked else {}
     return asked, got["s"][0] if "s" in got else None
 
@@ -162,13 +162,13 @@ def test_a_late_answer_over_the_direct_port_is_dropped_and_drafting_resumes(draf
     asked, tree = draft_step(link, log, timeout=0.02)
     assert asked and tree is None and link.lagging and link.stats.late == 1
     log["s"].append(7)
-    assert link.request("s", len(log["s"]) - 1, 7, 8, None) is False  # one request in flight at a time
+    assert link.request("s", Want(len(log["s"]) - 1, 7, 8), None) is False  # one request in flight at a time
     slow.delay = 0.0
     log["s"].append(8)
     n = len(log["s"])
     # the late answer comes 0.3 s on: until it has, a request is refused (one in flight); the
     # first one made after it reads it first and drops it
-    wait_until(lambda: link.request("s", n - 1, 8, 8, None), 10, "the late answer")
+    wait_until(lambda: link.request("s", Want(n - 1, 8, 8), None), 10, "the late answer")
     got = link.take({"s": n - 1}, 5.0)
     assert "s" in got and got["s"][0].tokens[0] == 8
     assert not link.lagging and link.stats.trees == 2  # the late tree was taken in, not used
@@ -256,7 +256,7 @@ def test_a_link_given_up_by_another_thread_wakes_a_take_at_once(drafter, direct)
     slow = SlowDrafts(drafter)
     slow.delay = 3.0
     n = len(log["s"])
-    assert link.request("s", n - 1, log["s"][-1], 8, None)
+    assert link.request("s", Want(n - 1, log["s"][-1], 8), None)
 
     def give_up():
         time.sleep(0.2)
@@ -289,7 +289,7 @@ def test_a_request_made_after_a_slow_restart_supersedes_the_one_wanted_during_it
     link._work.put(("start", "s"))  # as after the drafter lost it
     wait_until(lambda: link._seqs["s"].state == "syncing", what="restarting")
     log["s"].append(7)
-    assert link.request("s", len(log["s"]) - 1, 7, 8, None)  # wanted once the start is done
+    assert link.request("s", Want(len(log["s"]) - 1, 7, 8), None)  # wanted once the start is done
     go.set()
     wait_until(lambda: started and link.stats.resyncs == resyncs + 1, what="the restart done")
     log["s"].append(8)

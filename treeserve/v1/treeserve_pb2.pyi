@@ -275,20 +275,22 @@ class EndSequenceResponse(_message.Message):
     def __init__(self, ended: _Optional[bool] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("sequence_id", "committed_length", "appended_tokens", "outcome", "root_token", "node_budget")
+    __slots__ = ("sequence_id", "committed_length", "appended_tokens", "outcome", "root_token", "node_budget", "shape")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     APPENDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     ROOT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NODE_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     committed_length: int
     appended_tokens: _containers.RepeatedScalarFieldContainer[int]
     outcome: Outcome
     root_token: int
     node_budget: int
-    def __init__(self, sequence_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., appended_tokens: _Optional[_Iterable[int]] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., root_token: _Optional[int] = ..., node_budget: _Optional[int] = ...) -> None: ...
+    shape: TreeShape
+    def __init__(self, sequence_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., appended_tokens: _Optional[_Iterable[int]] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., root_token: _Optional[int] = ..., node_budget: _Optional[int] = ..., shape: _Optional[_Union[TreeShape, str]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("sequence_id", "error", "committed_length", "tree", "from_draft_ahead", "draft_ms")

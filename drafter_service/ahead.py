@@ -19,7 +19,8 @@ After a tree T goes out, a *round* of background work starts for its sequence:
 When the outcome arrives, the round stops. A finished (or running) job for that outcome is a *hit*:
 its forked state becomes the sequence's state and its tree is the answer, identical to what fresh
 drafting would give. Anything else is a *miss*: unfinished jobs are abandoned, forks freed, and the
-tree is drafted fresh. Either way the draft state is exactly the committed tokens.
+tree is drafted fresh. Either way the draft state holds exactly the committed tokens (its model
+slot catches up on them before its next forward pass, `DraftState.catch_up`).
 
 Rounds of different sequences share one worker thread, round-robin, one unit of work at a time,
 and yield to foreground requests (`Gate`).

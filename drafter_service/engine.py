@@ -12,8 +12,9 @@ negative (INVALID_ARGUMENT); `committed_length == drafter's length + len(appende
 (FAILED_PRECONDITION: the orchestrator resynchronises with StartSequence); the new length is at
 most `max_len` (RESOURCE_EXHAUSTED; StartSequence with more tokens is INVALID_ARGUMENT); an outcome,
 when given after a tree, is a root path of that tree whose tokens are exactly `appended` and whose
-bonus is the new root (INVALID_ARGUMENT). Repeating the previous request verbatim returns the
-previous answer.
+bonus is the new root (INVALID_ARGUMENT); a tree shape other than the sequence's is one its draft
+state serves (INVALID_ARGUMENT, `Drafter._proposer_for`). Repeating the previous request verbatim
+returns the previous answer.
 
 A sequence that no request touched (StartSequence, a draft) for `idle_timeout_s` seconds is ended
 by a background sweep, as the verifier releases its idle sequences: a client that went away
@@ -371,9 +372,10 @@ class Drafter:
         depth = seq.options.max_depth
         had_round = seq.round is not None
         own = proposer is seq.proposer
-        # a prepared tree is of the sequence's own shape: another shape takes none (the round's
-        # state is finalised as on a miss)
-        hit = seq.stop_round(key_of(call.appended, call.root, budget) if own else None)
+        # a prepared tree is of the sequence's own shape: another shape takes none, and leaves the
+        # round's finalising forward undone (the model catches up from its last verification when
+        # it next drafts), so an n-gram tree costs the model nothing
+        hit = seq.stop_round(key_of(call.appended, call.root, budget) if own else None, finalise=own)
         if hit is not None:
             old, seq.state = seq.state, hit.state
             self.model.adopt(seq.state.slot)
@@ -381,11 +383,13 @@ class Drafter:
             draft = hit.draft
         else:
             seq.state.advance(call.appended)
+            if proposer.uses_model:
+                seq.state.catch_up()
             draft = draft_tree(proposer, seq.state, call.root, budget, depth)
         draft_ms = (time.perf_counter() - t0) * 1e3
         reply = DraftReply(call.sequence_id, call.committed_length, draft.tree, hit is not None, draft_ms)
         seq.last_tree, seq.last_call, seq.last_reply = draft.tree, call, reply
-        if had_round:
+        if had_round and own:  # a tree of another shape could not have been prepared: no miss
             self.metrics.ahead(hit is not None, (hit.build_ms - draft_ms) if hit is not None else 0.0)
         self.metrics.tree(proposer.name, draft.tree.size, draft_ms)
         # draft-ahead runs a forward over the tree: none for a tree past the model's length

@@ -72,7 +72,7 @@ class DraftState:
     model: DraftModel | None = None
     slot: int | None = None
     verified: Verified | None = field(default=None, repr=False)
-    # committed tokens the model's slot has not consumed yet (`advance` leaves them to `_catch_up`)
+    # committed tokens the model's slot has not consumed yet (`advance` leaves them to `catch_up`)
     behind: list[int] = field(default_factory=list, repr=False)
     # checked before every forward pass: background work on a forked state stops within one pass
     abandoned: Callable[[], bool] | None = field(default=None, repr=False)
@@ -89,7 +89,7 @@ class DraftState:
 
     @property
     def length(self) -> int:
-        """Committed length: tokens consumed by the draft state."""
+        """Committed length: tokens the draft state has taken (the model's slot may be behind)."""
         return len(self.history)
 
     def room(self) -> int | None:
@@ -103,7 +103,7 @@ class DraftState:
         """One forward pass of the draft model over `tree` (root at the committed length): logits
         (len(rows), K) over the head's columns at nodes `rows` (None: all N nodes; empty: none).
         Leaves the slot ready to commit any path of `tree` without a forward pass."""
-        self._catch_up()
+        self.catch_up()
         # the previous verification can no longer be committed from once this one exists: let go of
         # it first, so a shared graph stash need not copy its rows out before the replay
         self.verified = None
@@ -117,7 +117,7 @@ class DraftState:
     def grow(self, root: int, budget: int, depth: int) -> "Draft":
         """A dynamic tree grown on the model's device (`DraftModel.grow`); leaves the slot ready to
         commit any path of the last level's tree without a forward pass."""
-        self._catch_up()
+        self.catch_up()
         self.verified = None  # as in `logits`: the last verification is let go first
         draft, self.verified = self.model.grow(self.slot, root, budget, depth, self.picker, self._still_wanted)
         return draft
@@ -149,7 +149,7 @@ class DraftState:
     # ---- keeping in step ----------------------------------------------------------------------
     def advance(self, tokens: Sequence[int]) -> None:
         """Take newly committed tokens: into the history at once, into the model's slot before its
-        next forward pass (`_catch_up`). So an n-gram tree drafted for a sequence that has a model
+        next forward pass (`catch_up`). So an n-gram tree drafted for a sequence that has a model
         (a per-tree shape) costs no forward, and the model later consumes every token it missed
         in one pass, still reusing its last verification."""
         if not tokens:
@@ -158,9 +158,10 @@ class DraftState:
             self.behind.extend(int(t) for t in tokens)
         self.history.extend(tokens)
 
-    def _catch_up(self) -> None:
+    def catch_up(self) -> None:
         """Let the model's slot consume the tokens it is behind by (before any forward pass on it,
-        and before a fork copies it)."""
+        before a fork copies it, and before a model tree is drafted: a tree cut to its root runs no
+        forward, and draft-ahead's worker must not be the one to catch up)."""
         self._still_wanted()
         if self.behind:
             self.model.advance(self.slot, self.verified, self.behind)
@@ -175,7 +176,7 @@ class DraftState:
         """An independent copy (a forked slot, no verification); None when no slot is free."""
         slot = None
         if self.model is not None:
-            self._catch_up()
+            self.catch_up()
             slot = self.model.fork(self.slot)
             if slot is None:
                 return None

@@ -127,7 +127,8 @@ def adaptive_note(plain: list[Result], fixed: list[Result], adaptive: list[Resul
         return f"{off}, although\n  {cost}: too few steps for the policy to learn that trees pay"
     tau = sum(r.mean_accepted for r in adaptive) / len(adaptive)
     return (f"adaptive policy: trees on {len(trees)} of {len(steps)} steps, typically {trees[len(trees) // 2]} "
-            f"nodes, tau {tau:.2f} (each tree the draft model's or an n-gram lookup's, whichever pays);\n  {cost}")
+            f"nodes, tau {tau:.2f} (each tree the drafter's default shape or an n-gram lookup, whichever pays);\n"
+            f"  {cost}")
 
 
 def _compare(client: GenerationClient, prompts: list[str], args: argparse.Namespace) -> int:

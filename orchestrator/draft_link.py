@@ -167,6 +167,9 @@ class DraftLink:
         self._reconnect_delay = 0.0
         self._closed = False
         self.lagging = False
+        # whether the drafter honours DraftRequest.shape, as its Stats said at the last connect
+        # (until one: assumed, as any drafter of this version does)
+        self.per_tree_shapes = True
         self.stats = DraftStats()
         self._worker = threading.Thread(target=self._work_loop, name="draft-link", daemon=True)
         self._worker.start()
@@ -405,6 +408,9 @@ class DraftLink:
         except (grpc.FutureTimeoutError, grpc.RpcError):
             return False
         direct = self._open_direct(stats.direct_port)
+        if not stats.per_tree_shapes:
+            log.warning("drafter %s predates per-tree shapes: trees of the sequences' own shapes only", self.address)
+        self.per_tree_shapes = stats.per_tree_shapes
         send_q: Optional[queue.Queue] = None
         responses = None
         if direct is None:

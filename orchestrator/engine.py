@@ -265,13 +265,15 @@ def _regime_fields(regime: Regime) -> dict:
     return {"shape": shape, "temperature_band": regime.band, "draft_ahead": regime.ahead}
 
 
-def make_policy(spec: RequestSpec, info: VerifierInfo):
+def make_policy(spec: RequestSpec, info: VerifierInfo, also: tuple = ()):
+    """`also`: the regimes an adaptive request may draft in besides its own (`RequestSpec.other_regimes`,
+    where the drafter can draft them)."""
     sp = spec.speculation
     if not sp.enabled:
         return FixedPolicy(1)
     if sp.adaptive:
         cap = min(sp.node_budget or ADAPTIVE_CAP, info.max_tree_nodes)
-        return AdaptivePolicy(cap=cap, start=min(cap, ADAPTIVE_START), regime=spec.regime, also=spec.other_regimes)
+        return AdaptivePolicy(cap=cap, start=min(cap, ADAPTIVE_START), regime=spec.regime, also=also)
     return FixedPolicy(min(sp.node_budget, info.max_tree_nodes), spec.regime)
 
 
@@ -344,7 +346,8 @@ class Engine:
                 return (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
                         f"replica {self.config.verifier} is full ({self.info.max_sequences} sequences)")
             self._count += 1
-        state = RequestState(spec, list(spec.prompt), make_policy(spec, self.info))
+        also = spec.other_regimes if self.link is not None and self.link.per_tree_shapes else ()
+        state = RequestState(spec, list(spec.prompt), make_policy(spec, self.info, also))
         self.outbox.touch(spec.front)  # its reader here may start after the first events
         self._inbox.put(("add", state))
         return None
@@ -573,7 +576,8 @@ class Engine:
             r.budget = 1
             return
         r.budget = min(choice.budget, max_nodes) if choice.budget else 0
-        r.regime = choice.regime
+        # a drafter that predates per-tree shapes drafts the sequence's own: its trees are priced so
+        r.regime = choice.regime if self.link.per_tree_shapes else r.spec.regime
         shape = r.regime.shape if r.regime.shape != r.spec.regime.shape else pb.TREE_SHAPE_UNSPECIFIED
         r.awaiting_draft = self.link.request(r.request_id, Want(r.committed, r.root, r.budget, shape), outcome)
 

@@ -354,8 +354,10 @@ def test_a_tree_of_another_shape_costs_the_model_nothing_and_drafting_with_it_ca
     passes = []
     for name in ("verify", "grow", "advance"):
         monkeypatch.setattr(draft_model, name, _counted(getattr(draft_model, name), passes, name))
+    misses = drafter.metrics.ahead_misses
     lookup = drafter.draft(DraftCall("a", L + 2, appended, 9, Outcome((0, kid), 9), shape="ngram"))
     assert passes == [] and drafter._seqs["a"].state.behind == list(appended)
+    assert drafter.metrics.ahead_misses == misses  # it could not have been prepared: not a miss
     assert not lookup.from_draft_ahead and lookup.tree.draft is None
     only_ngram = Drafter(None, Options("ngram", 8, 3, False))
     try:

@@ -107,8 +107,10 @@ def assert_commit_equals_decoding(model, prefix, grow, choose_path):
         forwarded = grown_state.verified.tree
         tokens = list(forwarded.tokens_along(choose_path(forwarded)))
         grown_state.advance(tokens)
+        grown_state.catch_up()
         for t in tokens:
             plain_state.advance([t])
+            plain_state.catch_up()
         a = model.verify(grown_state.slot, _one(7))[0]
         b = model.verify(plain_state.slot, _one(7))[0]
         assert (a - b).abs().max() < 1e-4

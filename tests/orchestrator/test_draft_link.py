@@ -315,3 +315,28 @@ def test_a_direct_port_that_refuses_the_stream_is_left_for_grpcs(drafter):
             assert link.stats.reconnects == 2
     finally:
         server.stop(grace=0)
+
+
+class OlderDrafter(DrafterServicer):
+    """A drafter that predates per-tree shapes: its Stats do not say it honours them."""
+
+    def Stats(self, request, context):
+        stats = super().Stats(request, context)
+        stats.per_tree_shapes = False
+        return stats
+
+
+@pytest.mark.parametrize("servicer, honours", [(DrafterServicer, True), (OlderDrafter, False)])
+def test_the_link_learns_whether_the_drafter_honours_per_tree_shapes(drafter, servicer, honours):
+    """The engine asks for trees of another shape only where the drafter honours them (an older one
+    would draft its own shape, and the engine would price those trees as the shape it asked for)."""
+    server = Server("127.0.0.1:0")
+    server.add(pbg.add_DrafterServicer_to_server, servicer(drafter, max_streams=4), "Drafter").start()
+    link = DraftLink(f"127.0.0.1:{server.port}", {"s": [1, 2, 3]}.get, vocab_size=1000, max_tree_nodes=16,
+                     call_timeout=5.0)
+    try:
+        wait_until(lambda: link.up, what="the link up")
+        assert link.per_tree_shapes is honours
+    finally:
+        link.shutdown()
+        server.stop(grace=0)

@@ -27,10 +27,11 @@ def verifier(tiny_pair):
 
 
 class Served:
-    """The drafter's address, and the proposers its trees came from (by name, in request order)."""
+    """The drafter's address, the proposers its trees came from (by name, in request order), and
+    the drafter itself."""
 
-    def __init__(self, address: str, proposed: list[str]):
-        self.address, self.proposed = address, proposed
+    def __init__(self, address: str, proposed: list[str], drafter):
+        self.address, self.proposed, self.drafter = address, proposed, drafter
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +49,9 @@ def drafter(tiny_pair):
             return proposer
 
     model = DraftModel.load(str(tiny_pair[1]), device="cpu", max_slots=8, max_len=256)
-    server = serve(Recording(model, Options("dynamic", 8, 4, False), ahead=None), "127.0.0.1:0")
-    yield Served(f"127.0.0.1:{server.port}", proposed)
+    d = Recording(model, Options("dynamic", 8, 4, False), ahead=None)
+    server = serve(d, "127.0.0.1:0")
+    yield Served(f"127.0.0.1:{server.port}", proposed, d)
     server.stop()
 
 
@@ -103,3 +105,29 @@ def test_a_request_that_named_its_shape_drafts_only_that(verifier, drafter, prom
     assert set(drafter.proposed) == {"dynamic"}
     assert len(out["named"]) == N
     assert shapes_drafted(stats) == {"TREE_SHAPE_DYNAMIC"}, stats["acceptance"]
+
+
+def test_a_drafter_that_predates_per_tree_shapes_gets_trees_of_the_sequences_shape(verifier, drafter, prompt):
+    """Its Stats do not say it honours `DraftRequest.shape` (it would draft its own shape whatever
+    the request named): a default request then drafts in its own regime only, priced as such."""
+    from drafter_service.servicer import DrafterServicer
+    from treeserve.server import Server
+    from treeserve.v1 import treeserve_pb2_grpc as pbg
+
+    class Older(DrafterServicer):
+        def Stats(self, request, context):
+            stats = super().Stats(request, context)
+            stats.per_tree_shapes = False
+            return stats
+
+    server = Server("127.0.0.1:0")
+    server.add(pbg.add_DrafterServicer_to_server, Older(drafter.drafter, max_streams=4), "Drafter").start()
+    try:
+        drafter.proposed.clear()
+        older = Served(f"127.0.0.1:{server.port}", drafter.proposed, drafter.drafter)
+        out, stats = generate(verifier, older, [RequestSpec("old", prompt, Sampling(), N, Speculation(), FRONT)])
+        assert len(out["old"]) == N
+        assert set(drafter.proposed) == {"dynamic"}
+        assert shapes_drafted(stats) == {"TREE_SHAPE_UNSPECIFIED"}, stats["acceptance"]
+    finally:
+        server.stop(grace=0)

@@ -53,9 +53,9 @@ and drafting overhead.
   paid to each, so a batch whose requests all draft would never turn a dear drafter off; and
   where none does, each pays the whole overhead for its one tree, so a batch for which drafting
   pays together could turn it off. The batch's own check compares the settled requests' choices
-  with all of them drafting (each at its best with the overhead shared) and with none of them
-  drafting (probes and pinned budgets as they are), and takes whichever the estimates call
-  fastest (`batch_rate`). A step in which only the pinned requests draft (plain, where none is
+  with all of them drafting in one regime (each at its best there with the overhead shared; one
+  such plan per regime they may draft in) and with none of them drafting (probes and pinned
+  budgets as they are), and takes whichever the estimates call fastest (`batch_rate`). A step in which only the pinned requests draft (plain, where none is
   pinned), never seen, is tried once (again after `RETRY_STEPS` if it did not come about): until
   one is seen it is priced with more drafting overhead, and on an engine whose requests all
   speculated from the start, plain decoding could never win against an expensive drafter.
@@ -155,18 +155,19 @@ def choose_for_batch(cost: "CostModel", seats: list[Seat]) -> list[Choice]:
     chooses against the rest of the batch as the last step had it (the drafts likely to come again:
     pinned, or a policy's settled choice; a probe or a start budget is not); then the batch's own
     checks: a step with only the pinned requests drafting, never seen, is tried once to measure it;
-    otherwise the settled requests' choices are compared with all of them drafting (each at its
-    best with the drafting shared) and with none of them drafting, and the batch takes whichever
-    is expected to emit the most a millisecond (`batch_rate`)."""
+    otherwise the settled requests' choices are compared with all of them drafting in one regime
+    (each at its best there with the drafting shared; a plan per regime) and with none of them
+    drafting, and the batch takes whichever is expected to emit the most a millisecond
+    (`batch_rate`)."""
     drafted = collections.Counter(s.regime for s in seats if _drafts_again(s))  # regime -> requests
     nodes, tokens = sum(s.last_nodes for s in seats), sum(s.last_tokens for s in seats)
-    choices, chosen, on, off = [], [], [], []
+    choices, chosen, off, settled = [], [], [], []  # settled: (seat, its choose arguments) or None
     for s in seats:
         if s.policy is None:
             choices.append(NO_DRAFT)
             chosen.append(Part(1, 1.0, None))
-            on.append(chosen[-1])
             off.append(chosen[-1])
+            settled.append(None)
             continue
         others = drafted.copy()
         if _drafts_again(s):
@@ -175,16 +176,21 @@ def choose_for_batch(cost: "CostModel", seats: list[Seat]) -> list[Choice]:
         budget = s.policy.choose(*args)
         choices.append(Choice(budget, s.policy.current) if budget != 1 else NO_DRAFT)
         chosen.append(_part(s, choices[-1]))
-        settled = s.policy.settled
-        on.append(_part(s, s.policy.best_if_shared(*args)) if settled else chosen[-1])
-        off.append(_part(s, NO_DRAFT) if settled else chosen[-1])
+        settled.append((s, args) if s.policy.settled else None)
+        off.append(_part(s, NO_DRAFT) if s.policy.settled else chosen[-1])
     pinned = {p.regime for p in chosen if p.pinned and p.regime is not None}
     if any(p.regime is not None and not p.pinned for p in chosen) and cost.try_measuring(pinned):
         # such a step (plain, or only the pinned requests drafting) is priced like one with more
         # drafts (`overhead_ms`) until one is seen, and could never win against a dear drafter:
         # one step measures it (a probe chosen now is dropped until its next turn)
         return [c if p.pinned else NO_DRAFT for c, p in zip(choices, chosen)]
-    best = max((chosen, on, off), key=lambda plans: batch_rate(cost, plans))  # a tie: as chosen
+    # per regime, the plan in which every settled request that may draft in it does, at its best
+    # there with the drafting shared (a request that last probed a cheap regime must not weigh the
+    # others' trees as if they would all come from that one)
+    regimes = dict.fromkeys(g for entry in settled if entry is not None for g in entry[0].policy.regimes)
+    on = [[_part(e[0], e[0].policy.best_if_shared(*e[1], g)) if e is not None and g in e[0].policy.regimes else p
+           for e, p in zip(settled, chosen)] for g in regimes]
+    best = max((chosen, *on, off), key=lambda plans: batch_rate(cost, plans))  # a tie: the first
     return [c if p is q else Choice(q.nodes, q.regime) for c, p, q in zip(choices, chosen, best)]
 
 
@@ -456,12 +462,12 @@ class AdaptivePolicy:
         return self._take(self.best)
 
     def best_if_shared(self, cost: CostModel, other_nodes: int, shared: "RegimeTables | None",
-                       other_tokens: float, other_drafted: frozenset) -> Choice:
-        """The best choice were the rest of the batch drafting in this request's current regime
-        too (its drafting overhead paid by the step either way), without changing the policy's
-        state."""
-        _, _, scores = self._scores(cost, other_nodes, shared, other_tokens, other_drafted | {self.current})
-        return max(self.options, key=self._rank(scores))
+                       other_tokens: float, other_drafted: frozenset, regime: Hashable) -> Choice:
+        """The best of no draft and the trees of `regime` (one of `regimes`) were the rest of the
+        batch drafting in `regime` too (its drafting overhead paid by the step either way), without
+        changing the policy's state."""
+        _, _, scores = self._scores(cost, other_nodes, shared, other_tokens, other_drafted | {regime})
+        return max((o for o in self.options if o.regime in (None, regime)), key=self._rank(scores))
 
     def _measured(self, shared: "RegimeTables | None") -> bool:
         """Whether any acceptance of its regimes is known (its own, or the engine's)."""

@@ -53,9 +53,10 @@ and drafting overhead.
   paid to each, so a batch whose requests all draft would never turn a dear drafter off; and
   where none does, each pays the whole overhead for its one tree, so a batch for which drafting
   pays together could turn it off. The batch's own check compares the settled requests' choices
-  with all of them drafting in one regime (each at its best there with the overhead shared; one
-  such plan per regime they may draft in) and with none of them drafting (probes and pinned
-  budgets as they are), and takes whichever the estimates call fastest (`batch_rate`). A step in which only the pinned requests draft (plain, where none is
+  with all of them drafting (each at its best with the overhead shared), with, per regime, those
+  that may draft in it drafting there (where a request may draft in several), and with none of
+  them drafting (probes and pinned budgets as they are), and takes whichever the estimates call
+  fastest (`batch_rate`). A step in which only the pinned requests draft (plain, where none is
   pinned), never seen, is tried once (again after `RETRY_STEPS` if it did not come about): until
   one is seen it is priced with more drafting overhead, and on an engine whose requests all
   speculated from the start, plain decoding could never win against an expensive drafter.
@@ -155,10 +156,10 @@ def choose_for_batch(cost: "CostModel", seats: list[Seat]) -> list[Choice]:
     chooses against the rest of the batch as the last step had it (the drafts likely to come again:
     pinned, or a policy's settled choice; a probe or a start budget is not); then the batch's own
     checks: a step with only the pinned requests drafting, never seen, is tried once to measure it;
-    otherwise the settled requests' choices are compared with all of them drafting in one regime
-    (each at its best there with the drafting shared; a plan per regime) and with none of them
-    drafting, and the batch takes whichever is expected to emit the most a millisecond
-    (`batch_rate`)."""
+    otherwise the settled requests' choices are compared with all of them drafting (each at its
+    best with the drafting shared), with, per regime, those that may draft in it drafting there
+    (where a request may draft in several regimes), and with none of them drafting, and the batch
+    takes whichever is expected to emit the most a millisecond (`batch_rate`)."""
     drafted = collections.Counter(s.regime for s in seats if _drafts_again(s))  # regime -> requests
     nodes, tokens = sum(s.last_nodes for s in seats), sum(s.last_tokens for s in seats)
     choices, chosen, off, settled = [], [], [], []  # settled: (seat, its choose arguments) or None
@@ -184,12 +185,15 @@ def choose_for_batch(cost: "CostModel", seats: list[Seat]) -> list[Choice]:
         # drafts (`overhead_ms`) until one is seen, and could never win against a dear drafter:
         # one step measures it (a probe chosen now is dropped until its next turn)
         return [c if p.pinned else NO_DRAFT for c, p in zip(choices, chosen)]
-    # per regime, the plan in which every settled request that may draft in it does, at its best
-    # there with the drafting shared (a request that last probed a cheap regime must not weigh the
-    # others' trees as if they would all come from that one)
-    regimes = dict.fromkeys(g for entry in settled if entry is not None for g in entry[0].policy.regimes)
-    on = [[_part(e[0], e[0].policy.best_if_shared(*e[1], g)) if e is not None and g in e[0].policy.regimes else p
-           for e, p in zip(settled, chosen)] for g in regimes]
+    # every settled request drafting, each at its best with the drafting of its current regime
+    # shared; and where one may draft in several regimes, per regime the plan in which the settled
+    # requests that may draft in it draft there (the others as chosen): a request whose last probe
+    # was a cheap regime's must not weigh the others' trees as if they all came from that one
+    on = [[_part(e[0], e[0].policy.best_if_shared(*e[1])) if e is not None else p for e, p in zip(settled, chosen)]]
+    if any(e is not None and len(e[0].policy.regimes) > 1 for e in settled):
+        regimes = dict.fromkeys(g for e in settled if e is not None for g in e[0].policy.regimes)
+        on += [[_part(e[0], e[0].policy.best_if_shared(*e[1], g)) if e is not None and g in e[0].policy.regimes
+                else p for e, p in zip(settled, chosen)] for g in regimes]
     best = max((chosen, *on, off), key=lambda plans: batch_rate(cost, plans))  # a tie: the first
     return [c if p is q else Choice(q.nodes, q.regime) for c, p, q in zip(choices, chosen, best)]
 
@@ -462,12 +466,25 @@ class AdaptivePolicy:
         return self._take(self.best)
 
     def best_if_shared(self, cost: CostModel, other_nodes: int, shared: "RegimeTables | None",
-                       other_tokens: float, other_drafted: frozenset, regime: Hashable) -> Choice:
-        """The best of no draft and the trees of `regime` (one of `regimes`) were the rest of the
-        batch drafting in `regime` too (its drafting overhead paid by the step either way), without
-        changing the policy's state."""
-        _, _, scores = self._scores(cost, other_nodes, shared, other_tokens, other_drafted | {regime})
-        return max((o for o in self.options if o.regime in (None, regime)), key=self._rank(scores))
+                       other_tokens: float, other_drafted: frozenset, regime: Hashable | None = None) -> Choice:
+        """The best choice were the rest of the batch drafting in `regime` too (its drafting
+        overhead paid by the step either way), among no draft and the trees of `regime` (one of
+        `regimes`); None: among every option, the rest drafting in the current regime. Changes
+        nothing in the policy."""
+        options = self.options if regime is None else [o for o in self.options if o.regime in (None, regime)]
+        paid = self.current if regime is None else regime
+        _, _, scores = self._scores(cost, other_nodes, shared, other_tokens, other_drafted | {paid}, options)
+        return max(options, key=self._rank(scores))
+
+    def keep_own_regime(self) -> None:
+        """Draft in its own regime only from now on (the drafter cannot draft the others)."""
+        if len(self.regimes) == 1:
+            return
+        self.also, self.regimes = (), (self.regime,)
+        self.options = [o for o in self.options if o.regime in (None, self.regime)]
+        self.current = self.regime
+        if self.best not in self.options:
+            self.best = NO_DRAFT
 
     def _measured(self, shared: "RegimeTables | None") -> bool:
         """Whether any acceptance of its regimes is known (its own, or the engine's)."""
@@ -484,10 +501,11 @@ class AdaptivePolicy:
         return lambda o: (scores[o], -o.budget, -self._order[o])
 
     def _scores(self, cost: CostModel, other_nodes: int, shared: "RegimeTables | None", other_tokens: float,
-                other_drafted: frozenset) -> tuple[dict, dict, dict]:
-        """Per option: the step's time, the batch's tokens and their ratio."""
+                other_drafted: frozenset, options: list | None = None) -> tuple[dict, dict, dict]:
+        """Per option (of `options`, default all): the step's time, the batch's tokens and their
+        ratio."""
         times, tokens, scores = {}, {}, {}
-        for o in self.options:
+        for o in self.options if options is None else options:
             drafted = other_drafted | {o.regime} if o.budget > 1 else other_drafted
             times[o] = max(1e-6, cost.step_ms(other_nodes + o.budget, drafted))
             tokens[o] = self.estimate(o.budget, shared, o.regime) + other_tokens
@@ -528,6 +546,9 @@ class FixedPolicy:
     @property
     def current(self) -> Hashable:
         return self.regime
+
+    def keep_own_regime(self) -> None:
+        """It has one regime already."""
 
     def choose(self, cost: CostModel, other_nodes: int = 0, shared: "RegimeTables | None" = None,
                other_tokens: float = 0.0, other_drafted: frozenset = frozenset()) -> int:

@@ -168,8 +168,8 @@ class DraftLink:
         self._closed = False
         self.lagging = False
         # whether the drafter honours DraftRequest.shape, as its Stats said at the last connect
-        # (until one: assumed, as any drafter of this version does)
-        self.per_tree_shapes = True
+        # (None until one)
+        self.per_tree_shapes: Optional[bool] = None
         self.stats = DraftStats()
         self._worker = threading.Thread(target=self._work_loop, name="draft-link", daemon=True)
         self._worker.start()

@@ -346,7 +346,9 @@ class Engine:
                 return (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
                         f"replica {self.config.verifier} is full ({self.info.max_sequences} sequences)")
             self._count += 1
-        also = spec.other_regimes if self.link is not None and self.link.per_tree_shapes else ()
+        # other regimes unless the drafter is known not to draft them (`_fit_to_drafter` drops them
+        # later where it turns out so)
+        also = spec.other_regimes if self.link is not None and self.link.per_tree_shapes is not False else ()
         state = RequestState(spec, list(spec.prompt), make_policy(spec, self.info, also))
         self.outbox.touch(spec.front)  # its reader here may start after the first events
         self._inbox.put(("add", state))
@@ -557,6 +559,8 @@ class Engine:
         if self.link is None:
             return
         asking = {id(r) for r in asked}
+        for r, _ in going:
+            self._fit_to_drafter(r)
         seats = [Seat(r.policy, r.regime, self.shared, r.last_nodes, r.last_tokens, id(r) in asking)
                  if r.spec.speculation.enabled else Seat(None, r.regime, None) for r, _ in going]
         for (r, told), choice in zip(going, choose_for_batch(self.cost, seats)):
@@ -569,6 +573,7 @@ class Engine:
         if self.link is None or not r.spec.speculation.enabled:
             return
         if choice is None:
+            self._fit_to_drafter(r)
             budget = r.policy.choose(self.cost, 0, self.shared, 0.0)
             choice = Choice(budget, r.policy.current)
         max_nodes, max_depth = tree_limits(r, self.info.max_tree_nodes, self.info.max_sequence_length)
@@ -576,10 +581,18 @@ class Engine:
             r.budget = 1
             return
         r.budget = min(choice.budget, max_nodes) if choice.budget else 0
-        # a drafter that predates per-tree shapes drafts the sequence's own: its trees are priced so
-        r.regime = choice.regime if self.link.per_tree_shapes else r.spec.regime
+        # a drafter that predates per-tree shapes drafts the sequence's own (a reconnect to one
+        # since the choice): its trees are priced so
+        r.regime = choice.regime if self.link.per_tree_shapes is not False else r.spec.regime
         shape = r.regime.shape if r.regime.shape != r.spec.regime.shape else pb.TREE_SHAPE_UNSPECIFIED
         r.awaiting_draft = self.link.request(r.request_id, Want(r.committed, r.root, r.budget, shape), outcome)
+
+    def _fit_to_drafter(self, r: RequestState) -> None:
+        """A drafter that predates per-tree shapes drafts each sequence's own shape whatever it is
+        asked: a policy that may choose other regimes keeps its own only (else the trees it asks of
+        the others, never measured there, are chosen by borrowed estimates for good)."""
+        if self.link.per_tree_shapes is False:
+            r.policy.keep_own_regime()
 
     def _committed_tokens(self, request_id: str):
         r = self._requests.get(request_id)

@@ -488,6 +488,31 @@ def test_a_batch_of_default_requests_does_as_well_as_the_model_alone_or_better(w
         assert both > 1.3 * model_only
 
 
+def test_a_policy_kept_to_its_own_regime_never_chooses_another():
+    """Against a drafter that predates per-tree shapes the engine drafts the sequence's own shape
+    whatever the policy chose, and records it so. A policy left with the n-gram regime kept
+    choosing n-gram trees by borrowed estimates (the model's acceptance, the cheapest overhead)
+    where the model, measured, does not pay; kept to its own regime it turns speculation off."""
+    def run(keep_own: bool) -> int:
+        cost, shared = CostModel(), RegimeTables()
+        policy = AdaptivePolicy(cap=8, regime=DEFAULT, also=(NGRAM,))
+        if keep_own:
+            policy.keep_own_regime()
+            assert policy.regimes == (DEFAULT,) and {o.regime for o in policy.options} == {None, DEFAULT}
+        drafted = 0
+        for step in range(300):
+            b = policy.choose(cost, 0, shared, 0.0)
+            ms = 10.0 + 0.01 * b + 0.3 + (30.0 if b > 1 else 0.0)  # the drafter costs 30 ms a tree
+            cost.observe(b, 10.0 + 0.01 * b, ms, drafted=(DEFAULT,) if b > 1 else ())
+            if b > 1:
+                policy.observe(b, 2, shared, DEFAULT)  # drafted in its own shape, whatever was asked
+                drafted += step >= 200
+        return drafted
+
+    assert run(keep_own=False) > 80  # the failure: n-gram chosen for good, the model's trees drafted
+    assert run(keep_own=True) < 10
+
+
 def test_a_choice_names_the_regime_it_drafts_in():
     """`current` follows the choice, and the batch's choices carry it; a neighbour probe takes its
     turn across regimes too."""

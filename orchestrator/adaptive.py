@@ -36,10 +36,10 @@ and drafting overhead.
   kind seen.
 - Every `probe_every` steps of the engine the request may try a neighbour of its best budget
   (in turn one larger, one smaller and, with several regimes, the best tree of another regime) so
-  the estimates stay current; while speculation is
-  off it tries the best-scoring budget above 1 instead, because drafting has a fixed cost per step
-  (a drafter RPC, a draft-model forward per tree level): budget 2 may not pay where 8 does, so
-  probing only 2 could keep speculation off for good. During the first `warmup` steps the cadence is every
+  the estimates stay current; while speculation is off it tries the best-scoring budget above 1
+  instead, because drafting has a fixed cost per step (a drafter RPC, a draft-model forward per
+  tree level): budget 2 may not pay where 8 does, so probing only 2 could keep speculation off for
+  good. During the first `warmup` steps the cadence is every
   other step: until the batch has verified different node counts the cost slope is unknown
   (assumed flat). After that, every request of the batch probes at the same steps (the engine's
   step count, `CostModel.steps`): drafting costs a step its overhead whether one request drafts or

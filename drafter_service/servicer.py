@@ -142,6 +142,7 @@ class DrafterServicer(pbg.DrafterServicer):
             strategy=self.drafter.strategy, active_sequences=self.drafter.active(), trees=m.trees,
             draft_ahead_hits=m.ahead_hits, draft_ahead_misses=m.ahead_misses, mean_draft_ms=m.mean_draft_ms,
             saved_draft_ms=m.saved_ms, direct_port=self.direct_port, per_tree_shapes=True,
+            default_shape=SHAPE_ENUMS[self.drafter.defaults.shape],
         )
 
 

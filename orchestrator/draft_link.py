@@ -167,9 +167,10 @@ class DraftLink:
         self._reconnect_delay = 0.0
         self._closed = False
         self.lagging = False
-        # whether the drafter honours DraftRequest.shape, as its Stats said at the last connect
-        # (None until one)
+        # whether the drafter honours DraftRequest.shape, and the shape of a sequence that names
+        # none (a TreeShape), as its Stats said at the last connect (None until one)
         self.per_tree_shapes: Optional[bool] = None
+        self.default_shape: Optional[int] = None
         self.stats = DraftStats()
         self._worker = threading.Thread(target=self._work_loop, name="draft-link", daemon=True)
         self._worker.start()
@@ -411,6 +412,7 @@ class DraftLink:
         if not stats.per_tree_shapes:
             log.warning("drafter %s predates per-tree shapes: trees of the sequences' own shapes only", self.address)
         self.per_tree_shapes = stats.per_tree_shapes
+        self.default_shape = stats.default_shape
         send_q: Optional[queue.Queue] = None
         responses = None
         if direct is None:

@@ -346,9 +346,8 @@ class Engine:
                 return (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
                         f"replica {self.config.verifier} is full ({self.info.max_sequences} sequences)")
             self._count += 1
-        # other regimes unless the drafter is known not to draft them (`_fit_to_drafter` drops them
-        # later where it turns out so)
-        also = spec.other_regimes if self.link is not None and self.link.per_tree_shapes is not False else ()
+        # `_fit_to_drafter` drops them later where the drafter turns out not to serve them
+        also = spec.other_regimes if self.link is not None and self._serves_other_shapes() else ()
         state = RequestState(spec, list(spec.prompt), make_policy(spec, self.info, also))
         self.outbox.touch(spec.front)  # its reader here may start after the first events
         self._inbox.put(("add", state))
@@ -587,11 +586,18 @@ class Engine:
         shape = r.regime.shape if r.regime.shape != r.spec.regime.shape else pb.TREE_SHAPE_UNSPECIFIED
         r.awaiting_draft = self.link.request(r.request_id, Want(r.committed, r.root, r.budget, shape), outcome)
 
+    def _serves_other_shapes(self) -> bool:
+        """Whether the drafter (as far as the link knows yet) drafts trees of other shapes than a
+        sequence's own where they pay: not one that predates per-tree shapes (it drafts each
+        sequence's own whatever it is asked), and not one whose default is n-gram trees (the only
+        other shape a default request tries: the same trees twice)."""
+        return self.link.per_tree_shapes is not False and self.link.default_shape != pb.TREE_SHAPE_NGRAM
+
     def _fit_to_drafter(self, r: RequestState) -> None:
-        """A drafter that predates per-tree shapes drafts each sequence's own shape whatever it is
-        asked: a policy that may choose other regimes keeps its own only (else the trees it asks of
-        the others, never measured there, are chosen by borrowed estimates for good)."""
-        if self.link.per_tree_shapes is False:
+        """A policy that may choose other regimes keeps its own only where the drafter does not
+        serve them (else, against a drafter that predates per-tree shapes, the trees it asks of the
+        others, never measured there, are chosen by borrowed estimates for good)."""
+        if not self._serves_other_shapes():
             r.policy.keep_own_regime()
 
     def _committed_tokens(self, request_id: str):

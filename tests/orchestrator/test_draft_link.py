@@ -337,6 +337,7 @@ def test_the_link_learns_whether_the_drafter_honours_per_tree_shapes(drafter, se
     try:
         wait_until(lambda: link.up, what="the link up")
         assert link.per_tree_shapes is honours
+        assert link.default_shape == pb.TREE_SHAPE_NGRAM  # an n-gram drafter's
     finally:
         link.shutdown()
         server.stop(grace=0)

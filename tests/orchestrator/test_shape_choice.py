@@ -131,3 +131,21 @@ def test_a_drafter_that_predates_per_tree_shapes_gets_trees_of_the_sequences_sha
         assert shapes_drafted(stats) == {"TREE_SHAPE_UNSPECIFIED"}, stats["acceptance"]
     finally:
         server.stop(grace=0)
+
+
+def test_a_default_request_on_an_ngram_drafter_learns_its_trees_once(verifier, prompt):
+    """A drafter without a model drafts n-gram trees by default: the n-gram regime beside them
+    would be the same trees learnt twice (and probed between). Its Stats name its default shape,
+    and the engine keeps default requests to their own regime."""
+    from drafter_service.engine import Drafter
+    from drafter_service.servicer import serve
+
+    server = serve(Drafter(None), "127.0.0.1:0")
+    try:
+        plain = RequestSpec("plain", prompt, Sampling(), N, Speculation(mode="off"), FRONT)
+        default = RequestSpec("ngram", prompt, Sampling(), N, Speculation(), FRONT)
+        out, stats = generate(verifier, Served(f"127.0.0.1:{server.port}", [], None), [plain, default])
+        assert out["ngram"] == out["plain"]
+        assert shapes_drafted(stats) == {"TREE_SHAPE_UNSPECIFIED"}, stats["acceptance"]
+    finally:
+        server.stop()

@@ -309,7 +309,7 @@ class DraftResponse(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ..., committed_length: _Optional[int] = ..., tree: _Optional[_Union[TokenTree, _Mapping]] = ..., from_draft_ahead: _Optional[bool] = ..., draft_ms: _Optional[float] = ...) -> None: ...
 
 class DrafterStats(_message.Message):
-    __slots__ = ("strategy", "active_sequences", "trees", "draft_ahead_hits", "draft_ahead_misses", "mean_draft_ms", "saved_draft_ms", "direct_port", "per_tree_shapes")
+    __slots__ = ("strategy", "active_sequences", "trees", "draft_ahead_hits", "draft_ahead_misses", "mean_draft_ms", "saved_draft_ms", "direct_port", "per_tree_shapes", "default_shape")
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TREES_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +319,7 @@ class DrafterStats(_message.Message):
     SAVED_DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     DIRECT_PORT_FIELD_NUMBER: _ClassVar[int]
     PER_TREE_SHAPES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_SHAPE_FIELD_NUMBER: _ClassVar[int]
     strategy: str
     active_sequences: int
     trees: int
@@ -328,7 +329,8 @@ class DrafterStats(_message.Message):
     saved_draft_ms: float
     direct_port: int
     per_tree_shapes: bool
-    def __init__(self, strategy: _Optional[str] = ..., active_sequences: _Optional[int] = ..., trees: _Optional[int] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., mean_draft_ms: _Optional[float] = ..., saved_draft_ms: _Optional[float] = ..., direct_port: _Optional[int] = ..., per_tree_shapes: _Optional[bool] = ...) -> None: ...
+    default_shape: TreeShape
+    def __init__(self, strategy: _Optional[str] = ..., active_sequences: _Optional[int] = ..., trees: _Optional[int] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., mean_draft_ms: _Optional[float] = ..., saved_draft_ms: _Optional[float] = ..., direct_port: _Optional[int] = ..., per_tree_shapes: _Optional[bool] = ..., default_shape: _Optional[_Union[TreeShape, str]] = ...) -> None: ...
 
 class SpeculationOptions(_message.Message):
     __slots__ = ("mode", "draft", "adaptive")

@@ -20,9 +20,8 @@ and drafting overhead.
   same `Regime` (tree shape, temperature band, draft-ahead: an n-gram tree at temperature 1 says
   little about a draft model's tree at temperature 0) for budgets the request has not tried, then
   to the best another regime of the same band measured there (`RegimeTables`: a guess, which a
-  probe of that budget corrects). It is never less than what was measured at a smaller budget
-  (the request's or the engine's): a larger budget's tree holds the smaller one's, so it accepts at
-  least as much, and a budget nobody measured gets that floor (never optimistic).
+  probe of that budget corrects), and otherwise to the best of the smaller budgets it tried (never
+  optimistic).
   Until some acceptance has been measured (by the request or engine-wide) the request drafts at
   `start`; a warm cost model alone (e.g. from plain traffic) is no reason to begin at 1.
 - step_ms(n) = forward_ms(n) + overhead: the verifier's forward time is fitted as a + c * n over
@@ -423,28 +422,23 @@ class AdaptivePolicy:
         self.best = NO_DRAFT
 
     def estimate(self, budget: int, shared: "RegimeTables | None", regime: Hashable | None = None) -> float:
-        """Tokens a step of `budget` drafted in `regime` (None: the request's own) is expected to
-        emit: what was measured there (its own average, else the engine's, else the band's guess),
-        and never less than what was measured at a smaller budget. A drafter's tree of a larger
-        budget holds its tree of a smaller one (best-first, n-gram, chain and static trees alike),
-        so it accepts at least as much; one unlucky step (an n-gram tree that found no match) must
-        not keep a larger budget below a smaller one's until it is probed again."""
+        """Tokens a step of `budget` drafted in `regime` (None: the request's own) is expected to emit."""
         if budget == 1:
             return 1.0
         regime = self.regime if regime is None else regime
-        value = self._tau_at(budget, regime, shared)
-        if value is None and shared is not None:
-            value = shared[regime].kin(budget)  # a guess, which a probe of this budget corrects
-        smaller = (self._tau_at(b, regime, shared) for b in self.budgets if 1 < b < budget)
-        return max(1.0 if value is None else value, max((v for v in smaller if v is not None), default=1.0))
-
-    def _tau_at(self, budget: int, regime: Hashable, shared: "RegimeTables | None") -> float | None:
-        """Tokens a step of `budget` in `regime` emitted on average: this request's, else the
-        engine's; None where neither measured it."""
         own = self.tables.get(regime)
         if own is not None and own.get(budget) is not None:
             return own.get(budget)
-        return shared[regime].get(budget) if shared is not None else None
+        if shared is not None:
+            table = shared[regime]
+            measured = table.get(budget)
+            if measured is not None:
+                return measured
+            kin = table.kin(budget)
+            if kin is not None:
+                return kin  # a guess, which a probe of this budget corrects
+        smaller = [own.get(b) for b in self.budgets if b < budget and own.get(b) is not None] if own else []
+        return max(smaller) if smaller else 1.0
 
     def choose(self, cost: CostModel, other_nodes: int = 0, shared: "RegimeTables | None" = None,
                other_tokens: float = 0.0, other_drafted: frozenset = frozenset()) -> int:

@@ -721,23 +721,6 @@ def test_unobserved_budgets_are_not_optimistic():
     assert policy.estimate(16, shared) == 5.0
 
 
-def test_a_larger_budget_is_never_estimated_below_a_smaller_one():
-    """A larger budget's tree holds the smaller one's, so it accepts at least as much: an average
-    below a smaller budget's (a few noisy steps, an n-gram tree that found no match) is raised to
-    it, from the request's own tables or the engine's."""
-    policy = AdaptivePolicy(cap=16)
-    policy.observe(4, 3)
-    policy.observe(8, 1)  # one unlucky step
-    assert policy.estimate(8, None) == 3.0 and policy.estimate(16, None) == 3.0
-    shared = RegimeTables()
-    shared[REGIME].observe(2, 2)
-    shared[REGIME].observe(16, 1)
-    fresh = AdaptivePolicy(cap=16)
-    assert fresh.estimate(16, shared) == 2.0 and fresh.estimate(8, shared) == 2.0
-    shared[REGIME].observe(8, 4)
-    assert fresh.estimate(8, shared) == 4.0 and fresh.estimate(16, shared) == 4.0
-
-
 def test_cap_is_respected():
     policy = AdaptivePolicy(cap=4, start=8)
     cost = CostModel()

@@ -80,7 +80,7 @@ from __future__ import annotations
 import collections
 import statistics
 from dataclasses import dataclass, field
-from typing import Collection, Hashable, NamedTuple
+from typing import Collection, Hashable, NamedTuple, Sequence
 
 BUDGETS = (1, 2, 4, 8, 16, 32, 64)
 # upper ends of the temperature bands (greedy, then sampled at up to 0.5, up to 1, above 1)
@@ -216,6 +216,19 @@ def _drafts_again(s: Seat) -> bool:
 def batch_rate(cost: "CostModel", plans: list[Part]) -> float:
     """Tokens a millisecond the step is expected to emit."""
     return sum(p.tokens for p in plans) / batch_ms(cost, plans)
+
+
+def observations(budget: int, path: Sequence[int], nested: bool) -> list[tuple[int, int]]:
+    """What a step drafted at `budget` that accepted `path` (root first, node indices) says: it
+    emitted len(path) tokens at `budget`. A `nested` tree is one whose tree at any smaller budget b
+    is its first b nodes (n-gram trees), accepted by the target alone (no draft distributions): on
+    it, the tree of budget b would have accepted the path's nodes below b, so the same step also
+    says what every smaller budget of `BUDGETS` would have emitted, measured on the same text."""
+    out = [(budget, len(path))]
+    if nested:  # node indices grow along a path (a child is made after its parent)
+        out += [(b, next((i for i, node in enumerate(path) if node >= b), len(path)))
+                for b in BUDGETS if 1 < b < budget]
+    return out
 
 
 def allowed_budgets(cap: int) -> tuple[int, ...]:

@@ -41,7 +41,7 @@ from typing import Iterable, Optional
 import grpc
 
 from orchestrator.adaptive import (AdaptivePolicy, Choice, CostModel, FixedPolicy, Regime, RegimeTables, Seat,
-                                   choose_for_batch)
+                                   choose_for_batch, observations)
 from orchestrator.draft_link import DraftLink, Want
 from orchestrator.request import CANCELLED, Event, RequestSpec, RequestState
 from orchestrator.steps import accept, advance, fit_tree, in_original, take_output, tree_limits
@@ -507,7 +507,10 @@ class Engine:
                 continue
             r.failures = 0
             if r.from_drafter:
-                r.policy.observe(r.budget, len(outcome.accepted_nodes), self.shared, r.regime)
+                # an n-gram tree as the drafter made it (not cut here) tells every smaller budget too
+                nested = r.regime.shape == pb.TREE_SHAPE_NGRAM and tree.draft is None and r.tree_map is None
+                for budget, emitted in observations(r.budget, outcome.accepted_nodes, nested and r.budget > 1):
+                    r.policy.observe(budget, emitted, self.shared, r.regime)
             out, finish = advance(r, tree, outcome, self.eos)
             r.last_nodes, r.last_tokens = tree.size, len(outcome.accepted_nodes)
             done.append((r, in_original(outcome, r.tree_map) if r.from_drafter else None, out, finish))

@@ -8,7 +8,8 @@ import pytest
 
 from orchestrator.adaptive import (LEARNING_STEPS, MAX_KINDS, OVERHEAD_WINDOW, PLAIN, RETRY_STEPS, AcceptanceTable,
                                    AdaptivePolicy, Choice, CostModel, FixedPolicy, NO_DRAFT, Regime, Seat,
-                                   allowed_budgets, RegimeTables, choose_for_batch, temperature_band)
+                                   allowed_budgets, RegimeTables, choose_for_batch, observations,
+                                   temperature_band)
 
 REGIME = AdaptivePolicy(cap=1).regime  # a policy's regime unless it is given one
 
@@ -719,6 +720,14 @@ def test_unobserved_budgets_are_not_optimistic():
     shared = RegimeTables()
     shared[REGIME].observe(16, 5)
     assert policy.estimate(16, shared) == 5.0
+
+
+def test_a_nested_trees_step_says_what_each_smaller_budget_would_have_emitted():
+    """An n-gram tree's tree at budget b is its first b nodes: the accepted path's nodes below b
+    are what that tree would have accepted on the same step."""
+    assert observations(16, (0, 3, 5, 12), nested=True) == [(16, 4), (2, 1), (4, 2), (8, 3)]
+    assert observations(8, (0, 1), nested=True) == [(8, 2), (2, 2), (4, 2)]
+    assert observations(16, (0, 3, 5, 12), nested=False) == [(16, 4)]  # a best-first tree: its own budget only
 
 
 def test_cap_is_respected():

@@ -149,3 +149,16 @@ def test_a_default_request_on_an_ngram_drafter_learns_its_trees_once(verifier, p
         assert shapes_drafted(stats) == {"TREE_SHAPE_UNSPECIFIED"}, stats["acceptance"]
     finally:
         server.stop()
+
+
+def test_a_pinned_ngram_request_teaches_the_engine_every_smaller_budget(verifier, drafter, prompt):
+    """Each n-gram tree of 16 nodes also says what trees of 2, 4 and 8 would have emitted on the
+    same text (their trees are its first nodes), so the engine's table for the regime holds them
+    all, none above the larger budgets' (a default request beside it compares budgets measured
+    on the same steps)."""
+    pinned = Speculation(shape=pb.TREE_SHAPE_NGRAM, node_budget=16, adaptive=False)
+    out, stats = generate(verifier, drafter, [RequestSpec("pinned", prompt, Sampling(), N, pinned, FRONT)])
+    assert len(out["pinned"]) == N
+    [ngram] = [a["tau"] for a in stats["acceptance"] if a["shape"] == "TREE_SHAPE_NGRAM" and a["tau"]]
+    assert set(ngram) == {2, 4, 8, 16}, ngram
+    assert ngram[2] <= ngram[4] <= ngram[8] <= ngram[16]

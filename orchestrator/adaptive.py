@@ -16,7 +16,8 @@ n-gram trees) takes the argmax over (regime, budget) pairs, each priced by its r
 and drafting overhead.
 
 - tau(b) is an exponential moving average of the tokens emitted per step at budget b, per request
-  (acceptance depends on the text), falling back to the average of the engine's requests of the
+  (acceptance depends on the text; a step of an n-gram tree updates every smaller budget too, from
+  what its first nodes accepted: `observations`), falling back to the average of the engine's requests of the
   same `Regime` (tree shape, temperature band, draft-ahead: an n-gram tree at temperature 1 says
   little about a draft model's tree at temperature 0) for budgets the request has not tried, then
   to the best another regime of the same band measured there (`RegimeTables`: a guess, which a

@@ -155,7 +155,7 @@ class DraftState:
         if not tokens:
             return
         if self.model is not None:
-            self.behind.extend(int(t) for t in tokens)
+            self.behind.extend(tokens)
         self.history.extend(tokens)
 
     def catch_up(self) -> None:

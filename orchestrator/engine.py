@@ -509,7 +509,7 @@ class Engine:
             if r.from_drafter:
                 # an n-gram tree as the drafter made it (not cut here) tells every smaller budget too
                 nested = r.regime.shape == pb.TREE_SHAPE_NGRAM and tree.draft is None and r.tree_map is None
-                for budget, emitted in observations(r.budget, outcome.accepted_nodes, nested and r.budget > 1):
+                for budget, emitted in observations(r.budget, outcome.accepted_nodes, nested):
                     r.policy.observe(budget, emitted, self.shared, r.regime)
             out, finish = advance(r, tree, outcome, self.eos)
             r.last_nodes, r.last_tokens = tree.size, len(outcome.accepted_nodes)
@@ -561,8 +561,7 @@ class Engine:
         if self.link is None:
             return
         asking = {id(r) for r in asked}
-        for r, _ in going:
-            self._fit_to_drafter(r)
+        self._fit_to_drafter([r for r, _ in going])
         seats = [Seat(r.policy, r.regime, self.shared, r.last_nodes, r.last_tokens, id(r) in asking)
                  if r.spec.speculation.enabled else Seat(None, r.regime, None) for r, _ in going]
         for (r, told), choice in zip(going, choose_for_batch(self.cost, seats)):
@@ -575,7 +574,7 @@ class Engine:
         if self.link is None or not r.spec.speculation.enabled:
             return
         if choice is None:
-            self._fit_to_drafter(r)
+            self._fit_to_drafter([r])
             budget = r.policy.choose(self.cost, 0, self.shared, 0.0)
             choice = Choice(budget, r.policy.current)
         max_nodes, max_depth = tree_limits(r, self.info.max_tree_nodes, self.info.max_sequence_length)
@@ -596,12 +595,13 @@ class Engine:
         other shape a default request tries: the same trees twice)."""
         return self.link.per_tree_shapes is not False and self.link.default_shape != pb.TREE_SHAPE_NGRAM
 
-    def _fit_to_drafter(self, r: RequestState) -> None:
-        """A policy that may choose other regimes keeps its own only where the drafter does not
-        serve them (else, against a drafter that predates per-tree shapes, the trees it asks of the
-        others, never measured there, are chosen by borrowed estimates for good)."""
+    def _fit_to_drafter(self, requests: list[RequestState]) -> None:
+        """Policies that may choose other regimes keep their own only where the drafter does not
+        serve them (else, against a drafter that predates per-tree shapes, the trees they ask of
+        the others, never measured there, are chosen by borrowed estimates for good)."""
         if not self._serves_other_shapes():
-            r.policy.keep_own_regime()
+            for r in requests:
+                r.policy.keep_own_regime()
 
     def _committed_tokens(self, request_id: str):
         r = self._requests.get(request_id)
